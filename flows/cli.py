@@ -1,0 +1,138 @@
+"""`cpuforge` command line: validate everything cheap first, then run the Prefect flow locally."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from tasks.errors import UserError
+
+# Prefect's ephemeral local API needs ~20 s to start on a busy 2-core machine (its default
+# timeout), and its analytics service spews "database is locked" tracebacks there.
+PREFECT_DEFAULTS = {
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "cpuforge",
+    "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; finished stages are kept and will be reused", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cpuforge", description="Train small language models on CPUs alone.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def config_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--profile", help="tiny | demo (default) | full")
+        p.add_argument("--config", help="YAML file of config sections, applied over the profile")
+        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override one setting; repeatable")
+
+    run = sub.add_parser("run", help="run the pipeline")
+    config_args(run)
+    run.add_argument("--workdir", default="cpuforge-runs", help="stage outputs, summaries, MLflow store")
+    run.add_argument("--summary", help="also write the summary JSON to this file")
+    run.set_defaults(handler=_run)
+
+    show = sub.add_parser("config", help="print the resolved configuration and exit")
+    config_args(show)
+    show.set_defaults(handler=_show_config)
+    return parser
+
+
+def _show_config(args: argparse.Namespace) -> int:
+    from tasks.config import load_config
+
+    print(load_config(args.profile, args.config, args.overrides).to_yaml(), end="")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tasks.config import load_config
+    from tasks.tokenize import stage_extra_key
+
+    cfg = load_config(args.profile, args.config, args.overrides)
+    stage_extra_key(cfg)  # resolves the data source: a wrong path fails here, before any work
+    workdir = Path(args.workdir).expanduser().resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    for name, value in PREFECT_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    _quiet_user_error_tracebacks()
+    logging.getLogger("cpuforge").setLevel(logging.INFO)
+    from flows.pipeline import pipeline
+
+    try:
+        summary = pipeline(profile=cfg.profile, config_file=args.config, overrides=args.overrides,
+                           workdir=str(workdir), summary_path=args.summary)
+    except UserError:
+        raise
+    except Exception as exc:
+        print(f"error: the pipeline failed: {type(exc).__name__}: {exc} (details in the log above)", file=sys.stderr)
+        return 1
+    _print_summary(summary)
+    return 0
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"cpuforge run {summary['run_id']} ({summary['profile']})")
+    for column in ("stage", "status", "seconds", "headline metrics", "output"):
+        table.add_column(column, overflow="fold")
+    for stage, entry in summary["stages"].items():
+        metrics = ", ".join(f"{k}={_fmt(v)}" for k, v in list(entry.get("metrics", {}).items())[:8])
+        table.add_row(stage, entry["status"], _fmt(entry.get("seconds", 0)), metrics, entry.get("output_dir", ""))
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    console.print(table)
+    console.print(f"summary: {Path(summary['run_dir']) / 'summary.json'}")
+    uri = summary.get("mlflow_tracking_uri") or ""
+    if uri.startswith("sqlite:"):
+        console.print(f"MLflow UI: mlflow ui --backend-store-uri {uri}  (then open http://127.0.0.1:5000)")
+    else:
+        console.print(f"MLflow: {uri} (parent run {summary['mlflow_run_id']})")
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+class _DropUserErrorTraceback(logging.Filter):
+    """A user error is reported in one line; Prefect would otherwise log its full traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], UserError):
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def _quiet_user_error_tracebacks() -> None:
+    for name in ("prefect.task_runs", "prefect.flow_runs", "prefect.flow_engine", "prefect.task_engine"):
+        logging.getLogger(name).addFilter(_DropUserErrorTraceback())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""The one validated configuration of a cpuforge run.
+
+Resolution order (later wins): field defaults < profile YAML < ``--config`` YAML <
+``--set section.key=value`` overrides. Every section rejects unknown keys, so a typo is an
+error before any work starts, never a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tasks.errors import ConfigError
+
+PROFILES_DIR = Path(__file__).parent / "profiles"
+DEFAULT_PROFILE = "demo"
+
+# Byte-level BPE needs all 256 byte symbols before it can learn a single merge.
+BYTE_ALPHABET = 256
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(Section):
+    source: str = Field(
+        "stdlib",
+        description="'stdlib' (the running interpreter's standard library source, no download), "
+        "a file, folder or glob of .txt/.md/.py/.jsonl/.json/.csv/.parquet, "
+        "or 'hf:<dataset id>' for a Hugging Face hub dataset (needs network).",
+    )
+    text_field: str = Field("text", description="Column holding the text in structured files and hub datasets.")
+    hf_subset: str | None = Field(None, description="Hub dataset configuration (subset) name.")
+    hf_split: str = Field("train", description="Hub dataset split to read.")
+    max_docs: int | None = Field(None, gt=0, description="Read at most this many documents (files or records).")
+    val_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="Share of documents held out for validation.")
+    split_seed: int = Field(0, description="Seed of the hash-based train/val assignment.")
+    chunk_bytes: int = Field(
+        262_144, ge=1024, description="Documents longer than this are cut at line boundaries into several."
+    )
+    min_docs: int = Field(
+        20, ge=2, description="A corpus with fewer documents is cut into about this many chunks so it can be split."
+    )
+
+
+class TokenizerConfig(Section):
+    vocab_size: int = Field(4096, description="Vocabulary size of the byte-level BPE trained on the train split.")
+    path: str | None = Field(None, description="Use this existing tokenizer.json instead of training one.")
+    eod_token: str = Field("<|endoftext|>", description="Token placed between documents.")
+    min_frequency: int = Field(2, ge=1, description="A merge must occur this often to be learned.")
+    train_max_bytes: int = Field(
+        64 * 2**20, gt=0, description="Train the tokenizer on at most this many bytes of the train split."
+    )
+
+    @model_validator(mode="after")
+    def _vocab_holds_the_alphabet(self) -> TokenizerConfig:
+        smallest = BYTE_ALPHABET + 1  # the byte alphabet plus the end-of-document token
+        if self.path is None and self.vocab_size < smallest:
+            raise ValueError(
+                f"tokenizer.vocab_size={self.vocab_size} is smaller than the byte alphabet ({BYTE_ALPHABET}) "
+                f"plus the end-of-document token; use at least {smallest}"
+            )
+        if self.vocab_size > 2**32 - 1:
+            raise ValueError("tokenizer.vocab_size must fit in uint32")
+        return self
+
+
+class ModelConfig(Section):
+    n_layer: int = Field(6, gt=0, description="Decoder blocks.")
+    n_head: int = Field(6, gt=0, description="Query heads per block.")
+    n_kv_head: int = Field(2, gt=0, description="Key/value heads (grouped-query attention).")
+    d_model: int = Field(384, gt=0, description="Embedding width.")
+    d_mlp: int = Field(1024, gt=0, description="SwiGLU hidden width.")
+    block_size: int = Field(256, gt=0, description="Context length in tokens.")
+    tie_embeddings: bool = Field(True, description="Share the token embedding and the LM head.")
+    rope_theta: float = Field(10_000.0, gt=0, description="Rotary embedding base.")
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
+
+    @model_validator(mode="after")
+    def _heads_fit(self) -> ModelConfig:
+        if self.d_model % self.n_head:
+            raise ValueError(f"model.n_head={self.n_head} does not divide model.d_model={self.d_model}")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"model.n_kv_head={self.n_kv_head} does not divide model.n_head={self.n_head}")
+        if (self.d_model // self.n_head) % 2:
+            raise ValueError(
+                f"head size d_model/n_head={self.d_model // self.n_head} must be even for rotary embeddings"
+            )
+        return self
+
+
+class TrainConfig(Section):
+    batch_size: int = Field(16, gt=0, description="Sequences per micro-batch.")
+    grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
+    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    min_lr: float = Field(1e-4, ge=0, description="Learning rate at the end of cosine decay.")
+    warmup_steps: int = Field(50, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay on matrices.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 = off).")
+    max_tokens: int | None = Field(None, gt=0, description="Stop after this many training tokens.")
+    max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps.")
+    max_minutes: float | None = Field(5.0, gt=0, description="Stop after this many wall-clock minutes.")
+    eval_interval: int = Field(100, gt=0, description="Validate every this many steps.")
+    eval_batches: int = Field(8, gt=0, description="Fixed validation batches per evaluation.")
+    checkpoint_every_steps: int = Field(200, gt=0, description="Checkpoint every this many steps.")
+    checkpoint_every_minutes: float = Field(5.0, gt=0, description="...and at least this often in minutes.")
+    seed: int = Field(1337, description="Seed for initialisation and data order.")
+    threads: int = Field(0, ge=0, description="Intra-op threads per process (0 = the cores available).")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="'auto' uses bf16 autocast only where the CPU has native bf16."
+    )
+    activation_checkpointing: bool = Field(False, description="Recompute activations to save memory.")
+    compile: bool = Field(False, description="torch.compile the model.")
+    nproc_per_node: int = Field(1, gt=0, description="Training processes on this machine (torchrun).")
+    nnodes: int = Field(1, gt=0, description="Machines taking part (torchrun).")
+    rdzv_endpoint: str = Field("127.0.0.1:29500", description="torchrun rendezvous host:port.")
+
+    @model_validator(mode="after")
+    def _has_a_budget(self) -> TrainConfig:
+        if self.max_tokens is None and self.max_steps is None and self.max_minutes is None:
+            raise ValueError("train needs a budget: set max_tokens, max_steps or max_minutes")
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}")
+        return self
+
+
+class PruneConfig(Section):
+    keep_ratio: float = Field(0.5, gt=0.0, le=1.0, description="Fraction of parameters to keep, in (0, 1].")
+    strategy: Literal["width", "depth", "width_then_depth"] = Field(
+        "width", description="How the parameter cut is split across dimensions."
+    )
+    n_layer: int | None = Field(None, gt=0, description="Explicit target layers (overrides keep_ratio for depth).")
+    n_head: int | None = Field(None, gt=0, description="Explicit target query heads.")
+    n_kv_head: int | None = Field(None, gt=0, description="Explicit target KV heads.")
+    d_model: int | None = Field(None, gt=0, description="Explicit target embedding width.")
+    d_mlp: int | None = Field(None, gt=0, description="Explicit target MLP width.")
+    calib_batches: int = Field(16, gt=0, description="Train-split batches used to score importance.")
+
+
+class RecoverConfig(Section):
+    max_tokens: int | None = Field(None, gt=0, description="Distillation budget in tokens.")
+    max_steps: int | None = Field(None, gt=0, description="Distillation budget in optimizer steps.")
+    max_minutes: float | None = Field(2.0, gt=0, description="Distillation budget in wall-clock minutes.")
+    lr: float = Field(5e-4, gt=0, description="Peak learning rate.")
+    temperature: float = Field(1.0, gt=0, description="Softmax temperature of the KL term.")
+    kd_weight: float = Field(1.0, ge=0, description="Weight of forward KL(teacher || student).")
+    lm_weight: float = Field(0.5, ge=0, description="Weight of the next-token LM loss.")
+
+    @model_validator(mode="after")
+    def _has_a_budget(self) -> RecoverConfig:
+        if self.max_tokens is None and self.max_steps is None and self.max_minutes is None:
+            raise ValueError("recover needs a budget: set max_tokens, max_steps or max_minutes")
+        if self.kd_weight == 0 and self.lm_weight == 0:
+            raise ValueError("recover.kd_weight and recover.lm_weight are both 0: nothing to train on")
+        return self
+
+
+class ExportConfig(Section):
+    opset: int = Field(20, ge=14, description="ONNX opset.")
+    exporter: Literal["dynamo", "torchscript"] = Field("dynamo", description="torch.onnx exporter to use.")
+    parity_atol: float = Field(1e-3, gt=0, description="Fail when ONNX and PyTorch logits differ by more.")
+
+
+class QuantizeConfig(Section):
+    method: Literal["best", "dynamic", "static"] = Field(
+        "best", description="'best' tries dynamic and static int8 and keeps the better."
+    )
+    weight_type: Literal["auto", "qint8", "quint8"] = Field(
+        "auto", description="Dynamic weight type; 'auto' picks what is accurate on this CPU."
+    )
+    calib_batches: int = Field(8, gt=0, description="Train-split batches for static calibration.")
+
+
+class EvalConfig(Section):
+    max_tokens: int = Field(65_536, gt=0, description="Val tokens every variant is scored on.")
+    batch_sizes: list[int] = Field([1, 8], description="Batch sizes for prefill speed.")
+    decode_tokens: int = Field(64, gt=0, description="Tokens generated to time decoding.")
+    prompts: list[str] = Field(["def ", "import ", "class "], description="Fixed prompts for samples.")
+    max_new_tokens: int = Field(80, gt=0, description="Length of each sample.")
+
+
+class TrackingConfig(Section):
+    uri: str | None = Field(
+        None, description="MLflow tracking URI; default $MLFLOW_TRACKING_URI, else sqlite:///<workdir>/mlflow.db."
+    )
+    experiment: str = Field("cpuforge", description="MLflow experiment (one per project).")
+    registered_model: str = Field("cpuforge-lm", description="Name in the MLflow model registry.")
+    system_metrics: bool = Field(True, description="Log CPU/memory system metrics for each stage.")
+
+
+class Config(Section):
+    profile: str = DEFAULT_PROFILE
+    data: DataConfig = DataConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    prune: PruneConfig = PruneConfig()
+    recover: RecoverConfig = RecoverConfig()
+    export: ExportConfig = ExportConfig()
+    quantize: QuantizeConfig = QuantizeConfig()
+    eval: EvalConfig = EvalConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+SECTIONS: dict[str, type[Section]] = {
+    name: field.annotation  # type: ignore[misc]
+    for name, field in Config.model_fields.items()
+    if name != "profile"
+}
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
+def load_config(
+    profile: str | None = None,
+    config_file: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> Config:
+    """Resolve and validate the configuration, or raise ConfigError naming what is wrong."""
+    file_values: dict[str, Any] = _read_yaml(Path(config_file)) if config_file else {}
+    profile = profile or file_values.pop("profile", None) or DEFAULT_PROFILE
+    file_values.pop("profile", None)
+    if profile not in available_profiles():
+        raise ConfigError(f"unknown profile {profile!r}; available: {', '.join(available_profiles())}")
+
+    values = _read_yaml(PROFILES_DIR / f"{profile}.yaml")
+    _check_keys(file_values, origin=str(config_file))
+    _deep_merge(values, file_values)
+    for item in overrides:
+        section, key, value = _parse_override(item)
+        values.setdefault(section, {})[key] = value
+    values["profile"] = profile
+    try:
+        return Config.model_validate(values)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(data).__name__}")
+    return data
+
+
+def _check_keys(values: dict[str, Any], origin: str) -> None:
+    for section, body in values.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{origin}: {_unknown('section', section, SECTIONS)}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{origin}: section {section!r} must be a mapping of keys")
+        for key in body:
+            if key not in SECTIONS[section].model_fields:
+                raise ConfigError(f"{origin}: {_unknown('key', f'{section}.{key}', SECTIONS[section].model_fields, section)}")
+
+
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    dotted, sep, raw = item.partition("=")
+    section, dot, key = dotted.strip().partition(".")
+    if not sep or not dot or not key:
+        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.max_minutes=10")
+    if section not in SECTIONS:
+        raise ConfigError(f"--set {item!r}: {_unknown('section', section, SECTIONS)}")
+    if key not in SECTIONS[section].model_fields:
+        raise ConfigError(f"--set {item!r}: {_unknown('key', dotted, SECTIONS[section].model_fields, section)}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw  # not YAML: take the text as it is
+    return section, key, value
+
+
+def _unknown(kind: str, name: str, allowed: Any, section: str | None = None) -> str:
+    names = sorted(allowed)
+    short = name.split(".")[-1]
+    close = difflib.get_close_matches(short, names, n=1)
+    hint = f" (did you mean {(section + '.') if section else ''}{close[0]}?)" if close else ""
+    prefix = f"{section}." if section else ""
+    return f"unknown {kind} {name!r}{hint}; allowed: {', '.join(prefix + n for n in names)}"
+
+
+def _describe(exc: ValidationError) -> str:
+    problems = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        got = err.get("input")
+        shown = f" (got {got!r})" if where and not isinstance(got, dict) else ""
+        problems.append(f"{where}: {message}{shown}" if where else message)
+    return "invalid configuration: " + "; ".join(problems)
+
+
+def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> None:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_merge(base[key], value)
+        else:
+            base[key] = value

@@ -1,0 +1,46 @@
+"""Prefect-side reporting of a finished stage: its final state and a markdown artifact."""
+
+from __future__ import annotations
+
+import re
+
+from prefect.artifacts import create_markdown_artifact
+from prefect.context import TaskRunContext
+from prefect.states import Completed, State
+
+from tasks import tracking
+from tasks.stage import StageContext
+from tasks.store import StageRecord
+
+
+def stage_markdown(record: StageRecord, mlflow_url: str | None) -> str:
+    lines = [
+        f"### {record.stage} — {record.status}",
+        "",
+        f"- output: `{record.output_dir}`",
+        f"- seconds: {record.seconds:g} (built in {record.build_seconds:g})",
+    ]
+    if mlflow_url:
+        lines.append(f"- MLflow run that produced it: [{record.mlflow_run_id}]({mlflow_url})")
+    lines += ["", "| metric | value |", "|---|---|"]
+    lines += [f"| {name} | {value:,} |" if isinstance(value, int) else f"| {name} | {value:.6g} |"
+              for name, value in record.metrics.items()]
+    return "\n".join(lines)
+
+
+def finish_stage(record: StageRecord, ctx: StageContext) -> State:
+    """The task's final state: 'Cached' when the store already had the output, else 'Completed'.
+
+    The stage store, not Prefect's result cache, decides reuse, so Prefect can never hand back
+    a result whose folder was deleted; the state name still shows the reuse in the UI.
+    """
+    if TaskRunContext.get() is not None:
+        url = tracking.run_url(ctx.tracking_uri, ctx.experiment_id, record.mlflow_run_id) if record.mlflow_run_id else None
+        create_markdown_artifact(
+            key=re.sub(r"[^a-z0-9-]", "-", f"cpuforge-{record.stage}"),
+            markdown=stage_markdown(record, url),
+            description=f"cpuforge {record.stage}: headline numbers",
+        )
+    if record.status == "cached":
+        return Completed(name="Cached", data=record, message=f"reused {record.output_dir}")
+    return Completed(data=record)

@@ -1,0 +1,109 @@
+"""Running one stage: key it, reuse it if the store has it, else build it, and track it either way.
+
+Every stage module defines a ``SPEC`` and a plain function ``work(out_dir) -> StageOutput``;
+``run_stage`` does the rest, so the caching, atomicity and tracking rules live in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tasks import tracking
+from tasks.config import Config
+from tasks.store import StageRecord, StageStore, stage_key
+
+log = logging.getLogger("cpuforge.stage")
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    version: str  # bump when the stage's output for the same inputs changes
+    sections: tuple[str, ...]  # the config sections that determine its output
+
+
+@dataclass
+class StageOutput:
+    """What a stage's work function returns; run_stage turns it into a StageRecord."""
+
+    metrics: dict[str, float | int]
+    files: dict[str, str]
+    artifacts: list[str] = field(default_factory=list)  # names in out_dir to log to MLflow
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StageContext:
+    """Everything a stage run needs besides its work function."""
+
+    cfg: Config
+    workdir: Path
+    parent_run_id: str | None = None
+    tracking_uri: str = ""
+    experiment_id: str = ""
+
+    @property
+    def store(self) -> StageStore:
+        return StageStore(self.workdir)
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.workdir / "cache"
+
+
+def stage_params(cfg: Config, spec: StageSpec) -> dict[str, Any]:
+    """The stage's config sections, flattened to MLflow params ("section.key": value)."""
+    params: dict[str, Any] = {}
+    for section in spec.sections:
+        for key, value in getattr(cfg, section).model_dump(mode="json").items():
+            params[f"{section}.{key}"] = value
+    return params
+
+
+def run_stage(
+    spec: StageSpec,
+    ctx: StageContext,
+    work: Callable[[Path], StageOutput],
+    inputs: dict[str, StageRecord] | None = None,
+    extra_key: Any = None,
+) -> StageRecord:
+    inputs = inputs or {}
+    config = {s: getattr(ctx.cfg, s).model_dump(mode="json") for s in spec.sections}
+    key = stage_key(spec.name, spec.version, config, {n: r.key for n, r in inputs.items()}, extra_key)
+    params = stage_params(ctx.cfg, spec)
+    store = ctx.store
+    started = time.perf_counter()
+
+    def reuse(found: StageRecord) -> StageRecord:
+        seconds = round(time.perf_counter() - started, 3)
+        tracking.log_cached_stage(spec.name, ctx.parent_run_id, params, key, found.metrics, found.mlflow_run_id)
+        log.info("%s: reusing %s (cached)", spec.name, found.output_dir)
+        return found.model_copy(update={"status": "cached", "seconds": seconds})
+
+    found = store.lookup(spec.name, key)
+    if found is not None:
+        return reuse(found)
+
+    with tracking.stage_run(spec.name, ctx.parent_run_id, params, key, ctx.cfg.tracking.system_metrics) as run_id:
+        with store.building(spec.name, key) as partial:
+            found = store.lookup(spec.name, key)  # another process may have finished it meanwhile
+            if found is None:
+                output = work(partial)
+                seconds = round(time.perf_counter() - started, 3)
+                record = store.commit(
+                    partial,
+                    StageRecord(
+                        stage=spec.name, key=key, output_dir=str(partial), seconds=seconds, build_seconds=seconds,
+                        metrics=output.metrics, files=output.files, info=output.info, mlflow_run_id=run_id,
+                    ),
+                )
+        if found is None:
+            tracking.log_stage_result(run_id, output.metrics, Path(record.output_dir), output.artifacts, output.info)
+    if found is not None:
+        return reuse(found)
+    return record

@@ -1,0 +1,129 @@
+"""The stage store: one folder per stage output, named by a key over everything that determines it.
+
+A stage builds into ``stages/<stage>-<key>.partial`` (kept across attempts, so training can
+resume from its checkpoints) under an exclusive lock, and the folder is renamed to
+``stages/<stage>-<key>`` only once ``record.json`` is written. A folder without ``.partial``
+is therefore always complete, and the same inputs always map to the same folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from tasks.errors import UserError
+
+STAGE_ORDER = ("tokenize", "pretrain", "prune", "recover", "export", "quantize", "evaluate")
+RECORD_FILE = "record.json"
+KEY_CHARS = 16
+_UMASK = os.umask(0)
+os.umask(_UMASK)  # of the sha256 hex digest, in folder names; the record keeps the whole key
+
+
+class StageRecord(BaseModel):
+    """What a stage hands to the stages after it: paths and key numbers, never tensors."""
+
+    stage: str
+    key: str
+    output_dir: str
+    status: Literal["completed", "cached"] = "completed"
+    seconds: float = 0.0  # wall time of this run of the stage (a cache lookup is fast)
+    build_seconds: float = 0.0  # wall time it took to produce the output originally
+    metrics: dict[str, float | int] = {}
+    files: dict[str, str] = {}  # role -> file name inside output_dir
+    info: dict[str, Any] = {}  # small extra facts (choices made, warnings), JSON-serialisable
+    mlflow_run_id: str | None = None  # the run that produced the output
+    created_at: str = ""
+
+    def path(self, role: str) -> Path:
+        return Path(self.output_dir) / self.files[role]
+
+
+def stage_key(stage: str, version: str, config: dict[str, Any], inputs: dict[str, str], extra: Any = None) -> str:
+    """Hash of what determines a stage's output: its config sections, its inputs' keys, its code version."""
+    payload = {"stage": stage, "version": version, "config": config, "inputs": inputs, "extra": extra}
+    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a file so that readers see either the old content or the new, never a torn one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp creates 0600; give it the permissions open() would
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+class StageStore:
+    def __init__(self, workdir: Path) -> None:
+        self.root = Path(workdir) / "stages"
+
+    def final_dir(self, stage: str, key: str) -> Path:
+        return self.root / f"{stage}-{key[:KEY_CHARS]}"
+
+    def lookup(self, stage: str, key: str) -> StageRecord | None:
+        """The finished record for this key, or None. A folder whose record is unreadable is not finished."""
+        record_path = self.final_dir(stage, key) / RECORD_FILE
+        try:
+            record = StageRecord.model_validate_json(record_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if record.key != key:
+            return None
+        # The folder may have moved with its workdir; trust where it is now.
+        return record.model_copy(update={"output_dir": str(record_path.parent)})
+
+    @contextlib.contextmanager
+    def building(self, stage: str, key: str) -> Iterator[Path]:
+        """Hold the build lock of a stage output and yield its partial folder."""
+        final = self.final_dir(stage, key)
+        partial = final.with_name(final.name + ".partial")
+        self.root.mkdir(parents=True, exist_ok=True)
+        lock_path = self.root / ".locks" / f"{final.name}.lock"
+        lock_path.parent.mkdir(exist_ok=True)
+        with open(lock_path, "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise UserError(
+                    f"stage {stage} is being built by another cpuforge process (lock {lock_path}); "
+                    "wait for it to finish or stop it"
+                ) from None
+            partial.mkdir(exist_ok=True)
+            yield partial
+
+    def commit(self, partial: Path, record: StageRecord) -> StageRecord:
+        """Write the record into the partial folder and rename it into place."""
+        final = partial.with_name(partial.name.removesuffix(".partial"))
+        record = record.model_copy(
+            update={"output_dir": str(final), "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        )
+        atomic_write_text(partial / RECORD_FILE, record.model_dump_json(indent=2))
+        if final.exists():  # an older, unreadable attempt: replace it
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        return record

@@ -1,0 +1,307 @@
+"""Stage 1, tokenize: corpus -> tokenizer.json + train.bin/val.bin token shards + meta.json.
+
+Shards are flat arrays of token ids (uint16 while the vocabulary fits, else uint32), one
+end-of-document token after every document, which training reads with ``np.memmap``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.states import State
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from tasks.config import Config, DataConfig, TokenizerConfig
+from tasks.corpus import Corpus, load_corpus, source_fingerprint
+from tasks.errors import DataError
+from tasks.progress import progress_bar
+from tasks.publish import finish_stage
+from tasks.stage import StageContext, StageOutput, StageSpec, run_stage
+from tasks.store import atomic_write_json
+
+log = logging.getLogger("cpuforge.tokenize")
+
+SPEC = StageSpec(name="tokenize", version="1", sections=("data", "tokenizer"))
+META_FORMAT = 1
+ENCODE_BATCH_BYTES = 4 * 2**20  # big enough for the Rust side to use every core, small enough to stream
+
+
+def stage_extra_key(cfg: Config) -> dict[str, str | None]:
+    """What besides the config determines the output: the source's content and a given tokenizer file."""
+    tok_hash = None
+    if cfg.tokenizer.path:
+        tok_path = Path(cfg.tokenizer.path).expanduser()
+        tok_hash = hashlib.sha256(tok_path.read_bytes()).hexdigest() if tok_path.is_file() else "missing"
+    return {"source": source_fingerprint(cfg.data), "tokenizer_file": tok_hash}
+
+
+# --- documents ------------------------------------------------------------------------------
+
+
+def chunk_documents(docs: list[str], chunk_bytes: int, min_docs: int) -> list[str]:
+    """Cut long documents at line boundaries, so even a one-file corpus can be split by document.
+
+    The pieces concatenate back to the original text exactly.
+    """
+    total = sum(len(d.encode("utf-8")) for d in docs)
+    if len(docs) < min_docs:
+        chunk_bytes = max(1, min(chunk_bytes, total // min_docs))
+    out: list[str] = []
+    for doc in docs:
+        if len(doc.encode("utf-8")) <= chunk_bytes:
+            out.append(doc)
+            continue
+        piece: list[str] = []
+        size = 0
+        for line in doc.splitlines(keepends=True):
+            piece.append(line)
+            size += len(line.encode("utf-8"))
+            if size >= chunk_bytes:
+                out.append("".join(piece))
+                piece, size = [], 0
+        if piece:
+            out.append("".join(piece))
+    return out
+
+
+def split_documents(docs: list[str], val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic document-level split: a document's side depends only on its content and the seed.
+
+    Adding documents never moves existing ones across the split, and duplicates land together,
+    so the validation set never leaks into training.
+    """
+    if len(docs) < 2:
+        raise DataError(
+            f"the corpus holds {len(docs)} document(s) of text even after cutting it into chunks; "
+            "a train/val split needs at least 2 (add text, or lower data.chunk_bytes)"
+        )
+    salt = seed.to_bytes(8, "little", signed=True)
+    scores = [
+        int.from_bytes(hashlib.blake2b(doc.encode("utf-8"), digest_size=8, key=salt).digest(), "little") / 2**64
+        for doc in docs
+    ]
+    val = [i for i, s in enumerate(scores) if s < val_fraction]
+    if not val:  # small corpora: hold out the lowest-scoring document
+        val = [min(range(len(docs)), key=scores.__getitem__)]
+    if len(val) == len(docs):
+        val = val[:-1]
+    val_set = set(val)
+    train = [i for i in range(len(docs)) if i not in val_set]
+    return train, val
+
+
+# --- tokenizer ------------------------------------------------------------------------------
+
+
+def train_tokenizer(docs: list[str], cfg: TokenizerConfig) -> Tokenizer:
+    """Byte-level BPE (GPT-2 style pre-tokenization) trained on at most cfg.train_max_bytes of text."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        min_frequency=cfg.min_frequency,
+        special_tokens=[cfg.eod_token],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+
+    def sample() -> Iterator[str]:
+        budget = cfg.train_max_bytes
+        for doc in docs:
+            if budget <= 0:
+                return
+            budget -= len(doc)
+            yield doc
+
+    tokenizer.train_from_iterator(sample(), trainer=trainer, length=len(docs))
+    return tokenizer
+
+
+def load_tokenizer(path: Path, eod_token: str) -> Tokenizer:
+    if not path.is_file():
+        raise DataError(f"tokenizer.path: no such file: {path}")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:
+        raise DataError(f"tokenizer.path: {path} is not a tokenizers JSON file ({exc})") from None
+    if tokenizer.token_to_id(eod_token) is None:
+        raise DataError(
+            f"tokenizer.path: {path} has no {eod_token!r} token; add it or set tokenizer.eod_token to one it has"
+        )
+    return tokenizer
+
+
+def shard_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+# --- encoding -------------------------------------------------------------------------------
+
+
+def encode_to_shard(
+    tokenizer: Tokenizer,
+    docs: list[str],
+    eod_id: int,
+    dtype: np.dtype,
+    path: Path,
+    on_progress: Callable[[int], None] | None = None,
+) -> int:
+    """Encode documents in byte-sized batches and append them to a flat token file; returns tokens written."""
+    # Text that happens to contain the special token's spelling stays text, so document
+    # boundaries in the shard are exactly the ones we put there.
+    tokenizer.encode_special_tokens = True
+    written = 0
+    with open(path, "wb") as f:
+        for batch in _batches_by_bytes(docs, ENCODE_BATCH_BYTES):
+            encodings = tokenizer.encode_batch_fast(batch, add_special_tokens=False)
+            lengths = [len(e.ids) + 1 for e in encodings]
+            out = np.empty(sum(lengths), dtype=dtype)
+            pos = 0
+            for enc, n in zip(encodings, lengths):
+                out[pos : pos + n - 1] = enc.ids
+                out[pos + n - 1] = eod_id
+                pos += n
+            out.tofile(f)
+            written += len(out)
+            if on_progress:
+                on_progress(sum(len(d) for d in batch))
+    return written
+
+
+def _batches_by_bytes(docs: list[str], batch_bytes: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    size = 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc)
+        if size >= batch_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def decode_shard(tokenizer: Tokenizer, path: Path, dtype: np.dtype, eod_id: int) -> list[str]:
+    """The documents a shard holds, decoded back to text (for checks and tests)."""
+    ids = np.fromfile(path, dtype=dtype)
+    ends = np.flatnonzero(ids == eod_id)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [tokenizer.decode(ids[s:e].tolist(), skip_special_tokens=False) for s, e in zip(starts, ends)]
+
+
+# --- the stage ------------------------------------------------------------------------------
+
+
+def tokenize(cfg: Config, out_dir: Path, cache_dir: Path) -> StageOutput:
+    """Load the corpus, split it, get a tokenizer, write both shards and meta.json into out_dir."""
+    data: DataConfig = cfg.data
+    for stale in out_dir.iterdir():  # leftovers of an interrupted attempt: start clean
+        shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+
+    t0 = time.perf_counter()
+    corpus: Corpus = load_corpus(data, cache_dir)
+    docs = chunk_documents(corpus.docs, data.chunk_bytes, data.min_docs)
+    train_idx, val_idx = split_documents(docs, data.val_fraction, data.split_seed)
+    splits = {"train": [docs[i] for i in train_idx], "val": [docs[i] for i in val_idx]}
+    load_seconds = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    if cfg.tokenizer.path:
+        tokenizer = load_tokenizer(Path(cfg.tokenizer.path).expanduser(), cfg.tokenizer.eod_token)
+        trained = False
+    else:
+        tokenizer = train_tokenizer(splits["train"], cfg.tokenizer)
+        trained = True
+    tokenizer_seconds = time.perf_counter() - t0
+    eod_id = tokenizer.token_to_id(cfg.tokenizer.eod_token)
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    dtype = shard_dtype(vocab_size)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+
+    stats: dict[str, dict[str, int | str]] = {}
+    encode_seconds = 0.0
+    for name, split_docs in splits.items():
+        n_bytes = sum(len(d.encode("utf-8")) for d in split_docs)
+        t0 = time.perf_counter()
+        with progress_bar(f"tokenize {name} (chars)", sum(len(d) for d in split_docs)) as advance:
+            tokens = encode_to_shard(tokenizer, split_docs, eod_id, dtype, out_dir / f"{name}.bin", advance)
+        encode_seconds += time.perf_counter() - t0
+        log.info("%s: %d docs, %d bytes -> %d tokens", name, len(split_docs), n_bytes, tokens)
+        stats[name] = {"docs": len(split_docs), "bytes": n_bytes, "tokens": tokens, "file": f"{name}.bin"}
+
+    total_tokens = sum(int(s["tokens"]) for s in stats.values())
+    total_docs = len(train_idx) + len(val_idx)
+    meta = {
+        "format": META_FORMAT,
+        "dtype": dtype.name,
+        "vocab_size": vocab_size,
+        "eod_token": cfg.tokenizer.eod_token,
+        "eod_id": eod_id,
+        "splits": stats,
+        "bytes_per_token": round(sum(int(s["bytes"]) for s in stats.values()) / max(1, total_tokens - total_docs), 4),
+        "source": {
+            "kind": corpus.kind,
+            "source": corpus.source,
+            "files": corpus.files,
+            "documents_read": len(corpus.docs),
+            "documents_after_chunking": len(docs),
+            "fingerprint": corpus.fingerprint,
+            "hub_fingerprint": corpus.hub_fingerprint,
+        },
+        "skipped": corpus.skipped,
+        "replaced_sequences": corpus.replaced_sequences,
+        "tokenizer": {"trained": trained, "path": cfg.tokenizer.path},
+    }
+    atomic_write_json(out_dir / "meta.json", meta)
+
+    metrics = {
+        "docs_train": stats["train"]["docs"],
+        "docs_val": stats["val"]["docs"],
+        "bytes_train": stats["train"]["bytes"],
+        "bytes_val": stats["val"]["bytes"],
+        "tokens_train": stats["train"]["tokens"],
+        "tokens_val": stats["val"]["tokens"],
+        "vocab_size": vocab_size,
+        "tokens_per_s": round(total_tokens / encode_seconds, 1) if encode_seconds > 0 else 0.0,
+        "bytes_per_token": meta["bytes_per_token"],
+        "skipped_files": len(corpus.skipped),
+        "replaced_sequences": corpus.replaced_sequences,
+        "load_seconds": round(load_seconds, 3),
+        "tokenizer_seconds": round(tokenizer_seconds, 3),
+        "encode_seconds": round(encode_seconds, 3),
+    }
+    return StageOutput(
+        metrics=metrics,
+        files={"tokenizer": "tokenizer.json", "train": "train.bin", "val": "val.bin", "meta": "meta.json"},
+        artifacts=["tokenizer.json", "meta.json"],
+        info={
+            "dataset": {
+                "kind": corpus.kind,
+                "source": corpus.source,
+                "digest": corpus.fingerprint[:32],
+                "name": Path(corpus.source).name if corpus.kind != "hub" else corpus.source,
+                "hf_subset": data.hf_subset,
+                "hf_split": data.hf_split,
+            },
+            "skipped": corpus.skipped[:50],
+            "dtype": dtype.name,
+            "eod_id": eod_id,
+        },
+    )
+
+
+@task(name="tokenize", cache_policy=NO_CACHE)
+def tokenize_task(ctx: StageContext) -> State:
+    record = run_stage(
+        SPEC, ctx, lambda out_dir: tokenize(ctx.cfg, out_dir, ctx.cache_dir), extra_key=stage_extra_key(ctx.cfg)
+    )
+    return finish_stage(record, ctx)

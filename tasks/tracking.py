@@ -1,0 +1,144 @@
+"""The one module through which stages talk to MLflow.
+
+One parent run per pipeline run, one nested run per stage. A cached stage still gets a
+nested run (so every pipeline run shows all its stages), tagged ``cpuforge.cached=true``
+and pointing at the run that produced the output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tasks.config import Config
+
+log = logging.getLogger("cpuforge.tracking")
+
+DEFAULT_UI_URL = "http://127.0.0.1:5000"  # where `mlflow ui` serves the embedded store
+TAG_STAGE = "cpuforge.stage"
+TAG_KEY = "cpuforge.stage_key"
+TAG_CACHED = "cpuforge.cached"
+TAG_SOURCE_RUN = "cpuforge.source_run_id"
+TAG_PROFILE = "cpuforge.profile"
+
+
+def _mlflow():
+    # MLflow is imported lazily: it takes seconds, and the CLI must reject bad input faster.
+    warnings.filterwarnings("ignore", module="mlflow")
+    import mlflow
+
+    return mlflow
+
+
+def tracking_uri(cfg: Config, workdir: Path) -> str:
+    """tracking.uri, else $MLFLOW_TRACKING_URI, else an SQLite file inside the workdir."""
+    return cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(workdir).resolve()}/mlflow.db"
+
+
+def is_embedded(uri: str) -> bool:
+    return uri.startswith("sqlite:")
+
+
+def run_url(uri: str, experiment_id: str, run_id: str) -> str:
+    base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else DEFAULT_UI_URL
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def setup(cfg: Config, workdir: Path) -> tuple[str, str]:
+    """Point MLflow at the configured store and ensure the experiment exists; returns (uri, experiment id)."""
+    mlflow = _mlflow()
+    uri = tracking_uri(cfg, workdir)
+    mlflow.set_tracking_uri(uri)
+    experiment = mlflow.get_experiment_by_name(cfg.tracking.experiment)
+    if experiment is None:
+        # With the embedded store, keep artifacts next to the database, not in the current folder.
+        location = (Path(workdir).resolve() / "mlartifacts").as_uri() if is_embedded(uri) else None
+        experiment_id = mlflow.create_experiment(cfg.tracking.experiment, artifact_location=location)
+    else:
+        experiment_id = experiment.experiment_id
+    mlflow.set_experiment(experiment_id=experiment_id)
+    return uri, experiment_id
+
+
+@contextlib.contextmanager
+def pipeline_run(cfg: Config, workdir: Path, run_name: str, tags: dict[str, str]) -> Iterator[str]:
+    """The parent run of one pipeline run; ends FAILED if the body raises."""
+    mlflow = _mlflow()
+    with mlflow.start_run(run_name=run_name, tags={TAG_PROFILE: cfg.profile, **tags}) as run:
+        mlflow.log_params({"profile": cfg.profile, "workdir": str(Path(workdir).resolve())})
+        mlflow.log_text(cfg.to_yaml(), "config.yaml")
+        yield run.info.run_id
+
+
+@contextlib.contextmanager
+def stage_run(stage: str, parent_run_id: str | None, params: dict[str, Any], key: str, system_metrics: bool) -> Iterator[str]:
+    """A nested run for one stage; ends FAILED (and re-raises) if the stage fails."""
+    mlflow = _mlflow()
+    with mlflow.start_run(
+        run_name=stage,
+        nested=parent_run_id is not None,
+        parent_run_id=parent_run_id,
+        tags={TAG_STAGE: stage, TAG_KEY: key, TAG_CACHED: "false"},
+        log_system_metrics=system_metrics,
+    ) as run:
+        mlflow.log_params(params)
+        yield run.info.run_id
+
+
+def log_stage_result(run_id: str, metrics: dict[str, float], output_dir: Path, artifacts: list[str], info: dict[str, Any]) -> None:
+    mlflow = _mlflow()
+    from mlflow.entities import Metric
+
+    client = mlflow.MlflowClient()
+    now_ms = int(time.time() * 1000)
+    client.log_batch(run_id, metrics=[Metric(name, float(v), now_ms, 0) for name, v in metrics.items()])
+    for name in artifacts:
+        path = output_dir / name
+        client.log_artifact(run_id, str(path), artifact_path=None if path.is_file() else name)
+    if info:
+        client.log_dict(run_id, info, "stage_info.json")
+    if "dataset" in info:
+        _log_dataset(run_id, info["dataset"])
+
+
+def log_cached_stage(stage: str, parent_run_id: str | None, params: dict[str, Any], key: str,
+                     metrics: dict[str, float], source_run_id: str | None) -> str:
+    """Record that a stage was reused: same params and metrics, a pointer to the producing run."""
+    mlflow = _mlflow()
+    with mlflow.start_run(
+        run_name=f"{stage} (cached)",
+        nested=parent_run_id is not None,
+        parent_run_id=parent_run_id,
+        tags={TAG_STAGE: stage, TAG_KEY: key, TAG_CACHED: "true", TAG_SOURCE_RUN: source_run_id or ""},
+    ) as run:
+        mlflow.log_params(params)
+        mlflow.log_metrics({k: float(v) for k, v in metrics.items()})
+        return run.info.run_id
+
+
+def _log_dataset(run_id: str, dataset: dict[str, Any]) -> None:
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.data.sources import HuggingFaceDatasetSource, LocalArtifactDatasetSource
+    from mlflow.entities import DatasetInput, InputTag
+
+    mlflow = _mlflow()
+    if dataset["kind"] == "hub":
+        source = HuggingFaceDatasetSource(path=dataset["source"], config_name=dataset.get("hf_subset"), split=dataset.get("hf_split"))
+    else:
+        source = LocalArtifactDatasetSource(Path(dataset["source"]).as_uri())
+    meta = MetaDataset(source=source, name=dataset["name"], digest=dataset["digest"])
+    ds_input = DatasetInput(dataset=meta._to_mlflow_entity(), tags=[InputTag(key="mlflow.data.context", value="train")])
+    mlflow.MlflowClient().log_inputs(run_id, datasets=[ds_input])
+
+
+def close_active_runs() -> None:
+    """End runs left open by an interrupted process so they do not stay RUNNING forever."""
+    mlflow = _mlflow()
+    while mlflow.active_run() is not None:
+        mlflow.end_run(status="KILLED")
