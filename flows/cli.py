@@ -19,6 +19,7 @@ PREFECT_DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_LOGGING_EXTRA_LOGGERS": "cpuforge",
     "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
+    "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
 }
 
 
@@ -131,7 +132,9 @@ class _DropUserErrorTraceback(logging.Filter):
 
 def _quiet_user_error_tracebacks() -> None:
     for name in ("prefect.task_runs", "prefect.flow_runs", "prefect.flow_engine", "prefect.task_engine"):
-        logging.getLogger(name).addFilter(_DropUserErrorTraceback())
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropUserErrorTraceback) for f in logger.filters):
+            logger.addFilter(_DropUserErrorTraceback())
 
 
 if __name__ == "__main__":

@@ -302,7 +302,10 @@ def _describe(exc: ValidationError) -> str:
         message = err["msg"].removeprefix("Value error, ")
         got = err.get("input")
         shown = f" (got {got!r})" if where and not isinstance(got, dict) else ""
-        problems.append(f"{where}: {message}{shown}" if where else message)
+        if not where or message.startswith(f"{where}."):  # the message already names the key
+            problems.append(message)
+        else:
+            problems.append(f"{where}: {message}{shown}")
     return "invalid configuration: " + "; ".join(problems)
 
 

@@ -224,6 +224,12 @@ def tokenize(cfg: Config, out_dir: Path, cache_dir: Path) -> StageOutput:
     tokenizer_seconds = time.perf_counter() - t0
     eod_id = tokenizer.token_to_id(cfg.tokenizer.eod_token)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if trained and vocab_size < cfg.tokenizer.vocab_size:
+        log.warning(
+            "the tokenizer learned %d of the %d tokens asked for: the train split has no more pairs seen "
+            "tokenizer.min_frequency=%d times (a bigger corpus or a smaller vocab_size fixes this)",
+            vocab_size, cfg.tokenizer.vocab_size, cfg.tokenizer.min_frequency,
+        )
     dtype = shard_dtype(vocab_size)
     tokenizer.save(str(out_dir / "tokenizer.json"))
 

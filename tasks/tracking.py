@@ -27,6 +27,11 @@ TAG_CACHED = "cpuforge.cached"
 TAG_SOURCE_RUN = "cpuforge.source_run_id"
 TAG_PROFILE = "cpuforge.profile"
 
+# mlflow.set_tracking_uri() writes MLFLOW_TRACKING_URI into os.environ, so read the user's
+# value once, before we ever set it; otherwise a second run in this process would inherit
+# the first run's store.
+_USER_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI")
+
 
 def _mlflow():
     # MLflow is imported lazily: it takes seconds, and the CLI must reject bad input faster.
@@ -38,7 +43,7 @@ def _mlflow():
 
 def tracking_uri(cfg: Config, workdir: Path) -> str:
     """tracking.uri, else $MLFLOW_TRACKING_URI, else an SQLite file inside the workdir."""
-    return cfg.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(workdir).resolve()}/mlflow.db"
+    return cfg.tracking.uri or _USER_TRACKING_URI or f"sqlite:///{Path(workdir).resolve()}/mlflow.db"
 
 
 def is_embedded(uri: str) -> bool:

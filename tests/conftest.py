@@ -1,0 +1,62 @@
+"""Shared fixtures. Nothing here touches the network: corpora and 'hub' datasets are made on disk."""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Before anything imports prefect, datasets or mlflow.
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="cpuforge-prefect-"))
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
+os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"] = "cpuforge"
+os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+WORDS = (
+    "the model reads text and learns to predict the next token from bytes merges vocabulary "
+    "train split validation loss cpu thread memory shard document corpus pipeline stage cache "
+    "python function class return value import module error message file folder path line"
+).split()
+
+
+def make_text(seed: int, n_lines: int = 60) -> str:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(4, 14))]
+        lines.append(" ".join(words).capitalize() + rng.choice([".", ":", "?", "!"]))
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture
+def text_corpus(tmp_path: Path) -> Path:
+    """A folder of .txt/.md/.py files, with non-ASCII text and a CRLF file among them."""
+    root = tmp_path / "corpus"
+    (root / "sub").mkdir(parents=True)
+    for i in range(24):
+        suffix = (".txt", ".md", ".py")[i % 3]
+        folder = root / "sub" if i % 4 == 0 else root
+        (folder / f"doc{i:02d}{suffix}").write_text(make_text(i), encoding="utf-8")
+    (root / "unicode.txt").write_text("Grüße, naïve café — 日本語のテキスト 🙂\n" * 20, encoding="utf-8")
+    (root / "windows.txt").write_bytes(make_text(99).replace("\n", "\r\n").encode("utf-8"))
+    return root
+
+
+def corpus_bytes(root: Path, suffixes=(".txt", ".md", ".py")) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and p.suffix in suffixes)
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """One temporary Prefect API for the in-process flow runs of the whole session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield

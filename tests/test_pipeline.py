@@ -1,0 +1,141 @@
+"""The whole flow end to end, as `cpuforge run` runs it: summary, stage store, MLflow, Prefect states."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from flows.cli import main
+from tests.conftest import corpus_bytes
+
+pytestmark = pytest.mark.slow
+
+
+def run_cli(tmp_path: Path, workdir: Path, *args: str) -> tuple[int, dict | None]:
+    summary = tmp_path / f"summary-{uuid.uuid4().hex[:6]}.json"
+    code = main(["run", "--profile", "tiny", "--workdir", str(workdir), "--summary", str(summary), *args])
+    return code, (json.loads(summary.read_text()) if summary.exists() else None)
+
+
+def mlflow_client(workdir: Path):
+    import mlflow
+
+    return mlflow.MlflowClient(tracking_uri=f"sqlite:///{workdir}/mlflow.db")
+
+
+def prefect_task_states(flow_run_id: str) -> dict[str, str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
+    return {run.name.rsplit("-", 1)[0]: run.state.name for run in runs}
+
+
+def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_server):
+    workdir = tmp_path / "work"
+    code, first = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}")
+    assert code == 0
+    assert set(first) >= {"run_id", "mlflow_run_id", "profile", "stages"}
+    assert first["profile"] == "tiny" and first["status"] == "completed"
+    tok = first["stages"]["tokenize"]
+    assert tok["status"] == "completed" and tok["seconds"] > 0
+    out = Path(tok["output_dir"])
+    assert out.parent == workdir / "stages" and {"tokenizer.json", "train.bin", "val.bin", "meta.json"} <= {
+        p.name for p in out.iterdir()}
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["splits"]["train"]["bytes"] + meta["splits"]["val"]["bytes"] == corpus_bytes(text_corpus)
+    for name in ("docs_train", "docs_val", "bytes_train", "bytes_val", "tokens_train", "tokens_val",
+                 "vocab_size", "tokens_per_s"):
+        assert tok["metrics"][name] > 0
+    assert (workdir / "runs" / first["run_id"] / "summary.json").is_file()
+    assert prefect_task_states(first["run_id"]) == {"tokenize": "Completed"}
+
+    client = mlflow_client(workdir)
+    parent = client.get_run(first["mlflow_run_id"])
+    assert parent.info.status == "FINISHED" and parent.data.tags["cpuforge.profile"] == "tiny"
+    child = client.get_run(tok["mlflow_run_id"])
+    assert child.info.status == "FINISHED"
+    assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    assert child.data.metrics["tokens_train"] == tok["metrics"]["tokens_train"]
+    assert child.data.params["tokenizer.vocab_size"] == "512"
+    assert {a.path for a in client.list_artifacts(child.info.run_id)} >= {"tokenizer.json", "meta.json"}
+    assert child.inputs.dataset_inputs and child.inputs.dataset_inputs[0].dataset.name == "corpus"
+    assert client.get_experiment(parent.info.experiment_id).name == "cpuforge"
+
+    code, second = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}")
+    assert code == 0
+    again = second["stages"]["tokenize"]
+    assert again["status"] == "cached" and again["output_dir"] == tok["output_dir"]
+    assert again["metrics"] == tok["metrics"]
+    assert prefect_task_states(second["run_id"]) == {"tokenize": "Cached"}
+    cached_runs = [r for r in client.search_runs([parent.info.experiment_id],
+                                                 f"tags.mlflow.parentRunId = '{second['mlflow_run_id']}'")]
+    assert len(cached_runs) == 1
+    assert cached_runs[0].data.tags["cpuforge.cached"] == "true"
+    assert cached_runs[0].data.tags["cpuforge.source_run_id"] == tok["mlflow_run_id"]
+
+    # A later stage's settings leave tokenize cached; its own settings re-run it.
+    code, later = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}", "--set", "model.n_layer=3")
+    assert code == 0 and later["stages"]["tokenize"]["status"] == "cached"
+    code, changed = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}", "--set", "tokenizer.vocab_size=400")
+    assert code == 0 and changed["stages"]["tokenize"]["status"] == "completed"
+    assert changed["stages"]["tokenize"]["output_dir"] != tok["output_dir"]
+
+    # New data changes the source fingerprint and so the key.
+    (text_corpus / "new.txt").write_text("a brand new document\n" * 50)
+    code, grown = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}")
+    assert code == 0 and grown["stages"]["tokenize"]["status"] == "completed"
+
+
+def test_a_failing_stage_fails_the_runs_and_leaves_nothing_finished(tmp_path, prefect_server, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("   \n")
+    workdir = tmp_path / "work"
+    code, summary = run_cli(tmp_path, workdir, "--set", f"data.source={empty}")
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "error: the corpus" in err and "is empty" in err
+    assert summary["status"] == "failed" and summary["stages"]["tokenize"]["status"] == "failed"
+    assert not [p for p in (workdir / "stages").iterdir() if p.name.startswith("tokenize-") and
+                not p.name.endswith(".partial")]
+    client = mlflow_client(workdir)
+    assert client.get_run(summary["mlflow_run_id"]).info.status == "FAILED"
+    children = client.search_runs([client.get_run(summary["mlflow_run_id"]).info.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{summary['mlflow_run_id']}'")
+    assert [r.info.status for r in children] == ["FAILED"]
+
+
+def test_bad_config_is_rejected_before_any_work(tmp_path, capsys):
+    code, summary = run_cli(tmp_path, tmp_path / "w", "--set", "model.n_head=5")
+    assert code == 2 and summary is None
+    err = capsys.readouterr().err
+    assert err.strip() == "error: invalid configuration: model.n_head=5 does not divide model.d_model=64"
+    assert "Traceback" not in err
+    assert not (tmp_path / "w" / "stages").exists()
+
+
+def test_console_script_on_the_embedded_corpus(tmp_path):
+    """`cpuforge run --profile tiny` exactly as a user types it, in a fresh process."""
+    # In-process runs above leave MLFLOW_TRACKING_URI in os.environ (mlflow sets it); a user's shell has none.
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | {"PREFECT_HOME": str(tmp_path / "prefect")}
+    exe = Path(sys.executable).with_name("cpuforge")
+    proc = subprocess.run([str(exe), "run", "--profile", "tiny", "--summary", "s.json"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["stages"]["tokenize"]["status"] == "completed"
+    assert (tmp_path / "cpuforge-runs" / "mlflow.db").is_file()
+    assert "tokenize" in proc.stdout and "mlflow ui --backend-store-uri" in proc.stdout
+    bad = subprocess.run([str(exe), "run", "--set", "data.source=/no/such/dir"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        "error: data.source: no such file or folder: '/no/such/dir' (use a path, a glob, 'stdlib', or 'hf:<dataset id>')"]

@@ -1,0 +1,57 @@
+from pathlib import Path
+
+import pytest
+
+from tasks.errors import UserError
+from tasks.store import StageRecord, StageStore, stage_key
+
+
+def test_key_changes_with_anything_that_determines_output():
+    base = dict(stage="tokenize", version="1", config={"data": {"a": 1}}, inputs={}, extra={"source": "x"})
+    key = stage_key(**base)
+    assert key == stage_key(**base)
+    assert key != stage_key(**{**base, "version": "2"})
+    assert key != stage_key(**{**base, "config": {"data": {"a": 2}}})
+    assert key != stage_key(**{**base, "inputs": {"tokenize": "abc"}})
+    assert key != stage_key(**{**base, "extra": {"source": "y"}})
+
+
+def test_a_stage_is_visible_only_once_committed(tmp_path: Path):
+    store = StageStore(tmp_path)
+    key = "a" * 64
+    with store.building("tokenize", key) as partial:
+        (partial / "train.bin").write_bytes(b"\0\0")
+        assert store.lookup("tokenize", key) is None  # half-written: not finished
+        record = store.commit(partial, StageRecord(stage="tokenize", key=key, output_dir=str(partial),
+                                                   metrics={"tokens": 1}, files={"train": "train.bin"}))
+    assert not partial.exists()
+    found = store.lookup("tokenize", key)
+    assert found is not None and found.metrics == {"tokens": 1}
+    assert found.path("train").read_bytes() == b"\0\0"
+    assert Path(record.output_dir).name == f"tokenize-{key[:16]}"
+
+
+def test_a_crashed_build_leaves_only_a_partial_folder(tmp_path: Path):
+    store = StageStore(tmp_path)
+    with pytest.raises(RuntimeError):
+        with store.building("tokenize", "b" * 64) as partial:
+            (partial / "half").write_text("x")
+            raise RuntimeError("crash")
+    assert store.lookup("tokenize", "b" * 64) is None
+    assert partial.exists() and partial.name.endswith(".partial")
+
+
+def test_a_corrupted_record_is_not_reused(tmp_path: Path):
+    store = StageStore(tmp_path)
+    folder = store.final_dir("tokenize", "c" * 64)
+    folder.mkdir(parents=True)
+    (folder / "record.json").write_text('{"stage": "tokenize", "ke')
+    assert store.lookup("tokenize", "c" * 64) is None
+
+
+def test_two_builders_of_the_same_stage_do_not_collide(tmp_path: Path):
+    store = StageStore(tmp_path)
+    with store.building("tokenize", "d" * 64):
+        with pytest.raises(UserError, match="being built by another cpuforge process"):
+            with store.building("tokenize", "d" * 64):
+                pass
