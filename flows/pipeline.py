@@ -14,6 +14,7 @@ from tasks.config import load_config
 from tasks.stage import StageContext
 from tasks.store import StageRecord
 from tasks.summary import add_stage, new_summary, write_summary
+from tasks.pretrain import pretrain_task
 from tasks.tokenize import tokenize_task
 
 DEFAULT_WORKDIR = "cpuforge-runs"
@@ -27,7 +28,7 @@ def pipeline(
     workdir: str = DEFAULT_WORKDIR,
     summary_path: str | None = None,
 ) -> dict[str, Any]:
-    """Raw text to a small, fast model: tokenize (more stages land here as they are built).
+    """Raw text to a small, fast model: tokenize -> pretrain (more stages land here as they are built).
 
     Args:
         profile: named profile: tiny (about a minute), demo (10-15 minutes), full (hours).
@@ -48,7 +49,8 @@ def pipeline(
             summary["mlflow_run_id"] = parent_run_id
             ctx = StageContext(cfg, root, parent_run_id, uri, experiment_id)
 
-            tokenized = _stage(tokenize_task, summary, ctx)  # noqa: F841 (input of pretrain, next)
+            tokenized = _stage(tokenize_task, summary, ctx)
+            pretrained = _stage(pretrain_task, summary, ctx, tokenize=tokenized)  # noqa: F841 (input of prune, next)
 
         summary["status"] = "completed"
         return summary

@@ -1,6 +1,7 @@
 """Running one stage: key it, reuse it if the store has it, else build it, and track it either way.
 
-Every stage module defines a ``SPEC`` and a plain function ``work(out_dir) -> StageOutput``;
+Every stage module defines a ``SPEC`` and a plain function ``work(out_dir, run_id) -> StageOutput``
+(``run_id``: the stage's MLflow run, for per-step metrics);
 ``run_stage`` does the rest, so the caching, atomicity and tracking rules live in one place.
 """
 
@@ -68,7 +69,7 @@ def stage_params(cfg: Config, spec: StageSpec) -> dict[str, Any]:
 def run_stage(
     spec: StageSpec,
     ctx: StageContext,
-    work: Callable[[Path], StageOutput],
+    work: Callable[[Path, str], StageOutput],
     inputs: dict[str, StageRecord] | None = None,
     extra_key: Any = None,
 ) -> StageRecord:
@@ -93,7 +94,7 @@ def run_stage(
         with store.building(spec.name, key) as partial:
             found = store.lookup(spec.name, key)  # another process may have finished it meanwhile
             if found is None:
-                output = work(partial)
+                output = work(partial, run_id)
                 seconds = round(time.perf_counter() - started, 3)
                 record = store.commit(
                     partial,

@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from models.fileio import atomic_write_json, atomic_write_text  # noqa: F401 (re-exported)
 from tasks.errors import UserError
 
 STAGE_ORDER = ("tokenize", "pretrain", "prune", "recover", "export", "quantize", "evaluate")
@@ -55,27 +55,6 @@ def stage_key(stage: str, version: str, config: dict[str, Any], inputs: dict[str
     payload = {"stage": stage, "version": version, "config": config, "inputs": inputs, "extra": extra}
     canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a file so that readers see either the old content or the new, never a torn one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp creates 0600; give it the permissions open() would
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_json(path: Path, data: Any) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 class StageStore:

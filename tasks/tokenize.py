@@ -308,6 +308,6 @@ def tokenize(cfg: Config, out_dir: Path, cache_dir: Path) -> StageOutput:
 @task(name="tokenize", cache_policy=NO_CACHE)
 def tokenize_task(ctx: StageContext) -> State:
     record = run_stage(
-        SPEC, ctx, lambda out_dir: tokenize(ctx.cfg, out_dir, ctx.cache_dir), extra_key=stage_extra_key(ctx.cfg)
+        SPEC, ctx, lambda out_dir, _run_id: tokenize(ctx.cfg, out_dir, ctx.cache_dir), extra_key=stage_extra_key(ctx.cfg)
     )
     return finish_stage(record, ctx)

@@ -147,3 +147,45 @@ def close_active_runs() -> None:
     mlflow = _mlflow()
     while mlflow.active_run() is not None:
         mlflow.end_run(status="KILLED")
+
+
+class MetricLogger:
+    """Per-step metrics for one run, sent in batches (one request per `every` steps, not per value)."""
+
+    def __init__(self, tracking_uri: str, run_id: str, every: int = 20) -> None:
+        self.client = _mlflow().MlflowClient(tracking_uri=tracking_uri)
+        self.run_id, self.every = run_id, every
+        self.pending: list[Any] = []
+
+    def __call__(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now_ms = int(time.time() * 1000)
+        self.pending += [Metric(k, float(v), now_ms, step) for k, v in metrics.items()]
+        if step % self.every == 0:
+            self.flush()
+
+    def flush(self) -> None:
+        for i in range(0, len(self.pending), 1000):  # MLflow's per-request limit
+            self.client.log_batch(self.run_id, metrics=self.pending[i:i + 1000])
+        self.pending = []
+
+
+def log_artifacts(run_id: str, paths: list[Path], artifact_path: str | None = None) -> None:
+    client = _mlflow().MlflowClient()
+    for path in paths:
+        client.log_artifact(run_id, str(path), artifact_path=artifact_path)
+
+
+def log_text(run_id: str, text: str, name: str) -> None:
+    _mlflow().MlflowClient().log_text(run_id, text, name)
+
+
+def log_params(run_id: str, params: dict[str, Any]) -> None:
+    _mlflow().MlflowClient().log_batch(run_id, params=[_param(k, v) for k, v in params.items()])
+
+
+def _param(key: str, value: Any):
+    from mlflow.entities import Param
+
+    return Param(key, str(value))

@@ -1,0 +1,160 @@
+"""Checkpoint I/O: safetensors weights + JSON config, verified on load.
+
+A model folder holds ``model.safetensors`` and ``config.json``. A training checkpoint adds
+``optimizer.pt`` and ``trainer.pt`` (loaded with ``weights_only=True``) and, written last,
+``manifest.json`` with each file's size and sha256: a checkpoint without a manifest, or whose
+files do not match it, is incomplete or corrupted and is never resumed from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from models.config import LlamaConfig, ModelConfigError
+from models.fileio import atomic_write_json, fsync_dir, sha256_file
+from models.llama import Llama
+
+log = logging.getLogger("cpuforge.checkpoint")
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+OPTIMIZER = "optimizer.pt"
+TRAINER = "trainer.pt"
+MANIFEST = "manifest.json"
+FORMAT = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, truncated, corrupted or made for another model."""
+
+
+def save_model(model: Llama, folder: Path, extra: dict[str, Any] | None = None) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.cfg.tie_embeddings:
+        state.pop("lm_head.weight")  # the same tensor as tok_emb.weight
+    save_file(state, str(folder / WEIGHTS), metadata={"format": str(FORMAT)})
+    atomic_write_json(folder / CONFIG, {"format": FORMAT, "model": model.cfg.to_dict(), **(extra or {})})
+
+
+def read_config(folder: Path) -> LlamaConfig:
+    path = folder / CONFIG
+    if not path.is_file():
+        raise CheckpointError(f"{folder} is not a cpuforge checkpoint: {CONFIG} is missing")
+    try:
+        return LlamaConfig.from_dict(json.loads(path.read_text())["model"])
+    except (json.JSONDecodeError, KeyError, TypeError, ModelConfigError) as exc:
+        raise CheckpointError(f"{path} is not a valid model config: {exc}") from None
+
+
+def load_model(folder: Path, expect: LlamaConfig | None = None) -> Llama:
+    """Load and verify a model folder; `expect` rejects a checkpoint made for another config."""
+    folder = Path(folder)
+    cfg = read_config(folder)
+    if expect is not None and cfg != expect:
+        diff = {k: (v, getattr(expect, k)) for k, v in cfg.to_dict().items() if getattr(expect, k) != v}
+        raise CheckpointError(
+            f"{folder} was made for another model: "
+            + ", ".join(f"{k}={a} (expected {b})" for k, (a, b) in diff.items())
+        )
+    weights = folder / WEIGHTS
+    if not weights.is_file():
+        raise CheckpointError(f"{folder}: {WEIGHTS} is missing")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise CheckpointError(f"{weights} is truncated or corrupted ({exc})") from None
+    model = Llama(cfg)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if cfg.tie_embeddings:
+        expected.pop("lm_head.weight")
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = [f"{k}: {tuple(state[k].shape)} vs {tuple(s)}" for k, s in expected.items() if k in state and state[k].shape != s]
+    if missing or unexpected or wrong:
+        raise CheckpointError(
+            f"{weights} does not match its config: "
+            + "; ".join(filter(None, [
+                f"missing {', '.join(missing[:5])}" if missing else "",
+                f"unexpected {', '.join(unexpected[:5])}" if unexpected else "",
+                f"shape mismatch {', '.join(wrong[:5])}" if wrong else "",
+            ]))
+        )
+    model.load_state_dict(state, strict=False)  # lm_head.weight is tied to tok_emb.weight
+    return model
+
+
+def save_training_checkpoint(root: Path, step: int, model: Llama, optimizer_state: dict[str, Any],
+                             trainer_state: dict[str, Any], keep: int = 2) -> Path:
+    """Write step-N atomically (temp folder + manifest + rename) and keep the newest `keep`."""
+    final = root / f"step-{step:08d}"
+    tmp = root / f".step-{step:08d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model(model, tmp)
+    torch.save(optimizer_state, tmp / OPTIMIZER)
+    torch.save(trainer_state, tmp / TRAINER)
+    files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
+             for name in (WEIGHTS, CONFIG, OPTIMIZER, TRAINER)}
+    atomic_write_json(tmp / MANIFEST, {"format": FORMAT, "step": step, "files": files})
+    fsync_dir(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    fsync_dir(root)
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def verify_checkpoint(folder: Path) -> None:
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{folder}: no {MANIFEST} (the checkpoint was never completed)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError:
+        raise CheckpointError(f"{manifest_path} is corrupted") from None
+    for name, expected in manifest["files"].items():
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{folder}: {name} is missing")
+        if path.stat().st_size != expected["bytes"] or sha256_file(path) != expected["sha256"]:
+            raise CheckpointError(f"{folder}: {name} is truncated or corrupted (checksum mismatch)")
+
+
+def latest_valid_checkpoint(root: Path) -> Path | None:
+    """The newest checkpoint that verifies; a corrupted newer one is skipped with a warning."""
+    for folder in reversed(list_checkpoints(root)):
+        try:
+            verify_checkpoint(folder)
+            return folder
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint: %s; trying the previous one", exc)
+    return None
+
+
+def load_training_state(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(optimizer state, trainer state), loaded without executing any pickled code."""
+    try:
+        optimizer = torch.load(folder / OPTIMIZER, weights_only=True)
+        trainer = torch.load(folder / TRAINER, weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{folder}: cannot read the training state ({exc})") from None
+    return optimizer, trainer

@@ -1,0 +1,196 @@
+"""A Llama-style decoder, readable in one sitting.
+
+RMSNorm, rotary position embeddings, grouped-query attention through
+F.scaled_dot_product_attention, SwiGLU MLP, no biases, optionally tied embeddings.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from models.config import LlamaConfig
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v) of shape (B, n_kv_head, T, head_dim)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_cache(cfg: LlamaConfig, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # (T, head_dim/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :d/2], x[..., d/2:]) by position-dependent angles (the Llama layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
+        # Causal within the new tokens; every cached position is in the past, so it is visible.
+        causal = cache is None or cache[0].shape[2] == 0
+        mask = None
+        if not causal and T > 1:
+            past = k.shape[2] - T
+            mask = torch.ones(T, k.shape[2], dtype=torch.bool).tril(diagonal=past)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and T > 1,
+                                           enable_gqa=self.n_kv_head != self.n_head)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1)), (k, v)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(cfg.d_model, cfg.d_mlp, bias=False)
+        self.up = nn.Linear(cfg.d_model, cfg.d_mlp, bias=False)
+        self.down = nn.Linear(cfg.d_mlp, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache=None):
+        h, new_cache = self.attn(self.attn_norm(x), cos, sin, cache)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), new_cache
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        cos, sin = rope_cache(cfg, cfg.block_size)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.activation_checkpointing = False
+        self.apply(self._init_weights)
+        # GPT-2 style: scale the residual projections by depth so the residual stream stays O(1).
+        for name, p in self.named_parameters():
+            if name.endswith(("wo.weight", "down.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, start: int = 0
+                ) -> tuple[torch.Tensor, KVCache]:
+        """Logits for every position, and the updated KV cache. `start` is the position of idx[:, 0]."""
+        T = idx.shape[1]
+        if start + T > self.cfg.block_size:
+            raise ValueError(f"sequence of {start + T} tokens exceeds the context of {self.cfg.block_size}")
+        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        x = self.tok_emb(idx)
+        new_cache: KVCache = []
+        for i, block in enumerate(self.blocks):
+            layer_cache = cache[i] if cache is not None else None
+            if self.activation_checkpointing and self.training and cache is None:
+                x, kv = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x, kv = block(x, cos, sin, layer_cache)
+            new_cache.append(kv)
+        return self.lm_head(self.norm(x)), new_cache
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits, _ = self(idx)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def param_count(model: nn.Module) -> int:
+    """Distinct parameters (a tied embedding counts once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None) -> float:
+    """Training FLOPs per token: 6 x matmul parameters + attention (PaLM appendix B convention).
+
+    The LM head is a matmul whether or not it is tied, so it counts; the embedding lookup does not.
+    """
+    T = seq_len or cfg.block_size
+    attn = cfg.d_model * (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim + cfg.n_head * cfg.head_dim * cfg.d_model
+    mlp = 3 * cfg.d_model * cfg.d_mlp
+    matmul_params = cfg.n_layer * (attn + mlp) + cfg.d_model * cfg.vocab_size
+    return 6.0 * matmul_params + 12.0 * cfg.n_layer * cfg.d_model * T
+
+
+@torch.no_grad()
+def generate(model: Llama, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, stop_token: int | None = None,
+             generator: torch.Generator | None = None) -> list[int]:
+    """Continue a prompt with a KV cache. temperature 0 is greedy. Stops at stop_token or the context."""
+    was_training = model.training
+    model.eval()
+    room = model.cfg.block_size - len(prompt)
+    if not prompt or room <= 0:
+        raise ValueError(f"the prompt has {len(prompt)} tokens; it must have 1 to {model.cfg.block_size - 1}")
+    out: list[int] = []
+    logits, cache = model(torch.tensor([prompt]))
+    position = len(prompt)
+    for _ in range(min(max_new_tokens, room)):
+        next_logits = logits[0, -1].float()
+        if temperature <= 0:
+            token = int(next_logits.argmax())
+        else:
+            next_logits = next_logits / temperature
+            if top_k is not None and top_k < next_logits.numel():
+                kth = torch.topk(next_logits, top_k).values[-1]
+                next_logits = next_logits.masked_fill(next_logits < kth, float("-inf"))
+            token = int(torch.multinomial(next_logits.softmax(-1), 1, generator=generator))
+        if stop_token is not None and token == stop_token:
+            break
+        out.append(token)
+        if position >= model.cfg.block_size:
+            break
+        logits, cache = model(torch.tensor([[token]]), cache=cache, start=position)
+        position += 1
+    model.train(was_training)
+    return out

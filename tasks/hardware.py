@@ -1,0 +1,94 @@
+"""What this CPU can do: cores, native bf16, and the measured fp32 matmul peak (MFU's denominator)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("cpuforge.hardware")
+
+PEAK_SIZE = 2048
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def has_native_bf16() -> bool:
+    """AVX-512 BF16 or AMX: without them bf16 matmuls are emulated and far slower than fp32."""
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def choose_precision(requested: str) -> torch.dtype:
+    if requested == "fp32":
+        return torch.float32
+    native = has_native_bf16()
+    if requested == "bf16":
+        if not native:
+            log.warning("train.precision=bf16 on a CPU without native bf16 (no avx512_bf16/amx): expect it to be "
+                        "many times slower than fp32")
+        return torch.bfloat16
+    return torch.bfloat16 if native else torch.float32
+
+
+def measure_matmul_peak(threads: int, dtype: torch.dtype = torch.float32, size: int = PEAK_SIZE,
+                        seconds: float = 1.5) -> float:
+    """Sustained FLOP/s of a size^3 matmul with this many threads (best of repeated runs)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        out = torch.empty(size, size, dtype=dtype)
+        torch.mm(a, b, out=out)  # warm-up
+        best, deadline = 0.0, time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            t0 = time.perf_counter()
+            torch.mm(a, b, out=out)
+            best = max(best, 2 * size**3 / (time.perf_counter() - t0))
+        return best
+    finally:
+        torch.set_num_threads(previous)
+
+
+def matmul_peak(threads: int, cache_dir: Path, dtype: torch.dtype = torch.float32) -> float:
+    """The measured peak, cached per (CPU, threads, dtype, torch version) so it is measured once."""
+    key = f"{cpu_model()}|{threads}|{dtype}|{torch.__version__}"
+    cache = cache_dir / "matmul_peak.json"
+    known = json.loads(cache.read_text()) if cache.is_file() else {}
+    if key not in known:
+        known[key] = measure_matmul_peak(threads, dtype)
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        from models.fileio import atomic_write_json
+
+        atomic_write_json(cache, known)
+        log.info("measured fp32 matmul peak with %d threads: %.1f GFLOP/s", threads, known[key] / 1e9)
+    return float(known[key])

@@ -1,0 +1,283 @@
+"""The CPU training engine shared by pretraining and recovery (distillation).
+
+One loop, stated plainly: budget in tokens, steps or wall-clock minutes (whichever ends
+first), AdamW with warmup + cosine decay, gradient accumulation and clipping, periodic
+validation in bits per byte, atomic checkpoints, exact resume, and DDP over gloo when
+launched by torchrun.
+
+Exact resume: the batch of (step, micro-step, rank) is a pure function of the seed and the
+learning rate a pure function of the step and a horizon fixed before the first checkpoint,
+so a run restarted from its checkpoint computes the same updates as one never stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from models.checkpoint import latest_valid_checkpoint, load_training_state, save_training_checkpoint
+from models.llama import Llama, flops_per_token
+from tasks.data import BatchSampler, bits_per_byte
+
+log = logging.getLogger("cpuforge.trainer")
+
+HORIZON_PROBE_STEPS = 3  # steps timed to turn a wall-clock budget into a step horizon
+LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class TrainSettings:
+    batch_size: int
+    grad_accum: int
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    weight_decay: float
+    betas: tuple[float, float]
+    grad_clip: float
+    max_tokens: int | None
+    max_steps: int | None
+    max_minutes: float | None
+    eval_interval: int
+    checkpoint_every_steps: int
+    checkpoint_every_minutes: float
+    seed: int
+    dtype: torch.dtype = torch.float32
+    peak_flops: float = 0.0  # measured matmul FLOP/s per process, for MFU
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    mfu: float
+    val_loss: float
+    val_bpb: float
+    peak_rss_mb: float
+    resumed_from: int | None
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits, _ = model(x)
+    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
+
+
+def lr_at(step: int, s: TrainSettings, horizon: int) -> float:
+    if step < s.warmup_steps:
+        return s.lr * (step + 1) / s.warmup_steps
+    progress = min(1.0, (step - s.warmup_steps) / max(1, horizon - s.warmup_steps))
+    return s.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (s.lr - s.min_lr)
+
+
+def make_optimizer(model: torch.nn.Module, s: TrainSettings) -> torch.optim.AdamW:
+    """Weight decay on matrices only (not norms); one parameter per tied pair."""
+    params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, foreach=True)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+@torch.no_grad()
+def evaluate(model: Llama, batches: list[tuple[torch.Tensor, torch.Tensor]], byte_lengths: np.ndarray,
+             dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+    """(mean loss per token, bits per byte) over fixed validation batches."""
+    was_training = model.training
+    model.eval()
+    nll, tokens, n_bytes = 0.0, 0, 0
+    lengths = torch.from_numpy(byte_lengths)
+    for x, y in batches:
+        with _autocast(dtype):
+            logits, _ = model(x)
+        nll += F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1), reduction="sum").item()
+        tokens += y.numel()
+        n_bytes += int(lengths[y].sum())
+    model.train(was_training)
+    return nll / tokens, bits_per_byte(nll, n_bytes)
+
+
+def _autocast(dtype: torch.dtype):
+    if dtype == torch.bfloat16:
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def train(
+    model: Llama,
+    train_data: np.memmap,
+    val: list[tuple[torch.Tensor, torch.Tensor]],
+    byte_lengths: np.ndarray,
+    s: TrainSettings,
+    checkpoint_dir: Path,
+    loss_fn: LossFn = lm_loss,
+    log_metrics: Callable[[dict[str, float], int], None] | None = None,
+    on_progress: Callable[[float, str], None] | None = None,
+) -> TrainResult:
+    rank, world = _world()
+    is_main = rank == 0
+    T = model.cfg.block_size
+    tokens_per_step = s.batch_size * T * s.grad_accum * world
+    sampler = BatchSampler(train_data, s.batch_size, T, s.seed, rank, world)
+    optimizer = make_optimizer(model, s)
+    step, tokens, elapsed_before, horizon, history, resumed_from = 0, 0, 0.0, None, [], None
+
+    found = latest_valid_checkpoint(checkpoint_dir)
+    if found is not None:
+        from models.checkpoint import load_model
+
+        state = load_model(found, expect=model.cfg).state_dict()
+        model.load_state_dict(state)
+        opt_state, trainer_state = load_training_state(found)
+        optimizer.load_state_dict(opt_state)
+        step, tokens = trainer_state["step"], trainer_state["tokens"]
+        elapsed_before, horizon = trainer_state["elapsed"], trainer_state["horizon"]
+        history = trainer_state["history"]
+        torch.set_rng_state(trainer_state["torch_rng"])
+        resumed_from = step
+        if is_main:
+            log.info("resuming from %s (step %d, %d tokens)", found.name, step, tokens)
+
+    net: torch.nn.Module = model
+    if world > 1:
+        net = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    net.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    flops_tok = flops_per_token(model.cfg)
+
+    def horizon_from_budget(_: None) -> int:
+        """Steps the token/step budgets allow (no limit: effectively infinite)."""
+        limits = []
+        if s.max_steps:
+            limits.append(s.max_steps)
+        if s.max_tokens:
+            limits.append(math.ceil(s.max_tokens / tokens_per_step))
+        return min(limits) if limits else 10**9
+
+    if horizon is None and not s.max_minutes:
+        horizon = horizon_from_budget(None)
+    run_start = time.perf_counter()
+    last_checkpoint = run_start
+    probe_start, probe_step = None, step
+    window_start, window_tokens = time.perf_counter(), 0
+    val_loss = val_bpb = float("nan")
+
+    def elapsed() -> float:
+        return elapsed_before + time.perf_counter() - run_start
+
+    def out_of_budget() -> bool:
+        done = (s.max_steps is not None and step >= s.max_steps) or \
+               (s.max_tokens is not None and tokens >= s.max_tokens) or \
+               (horizon is not None and step >= horizon) or \
+               (s.max_minutes is not None and elapsed() >= s.max_minutes * 60)
+        if world > 1:  # every rank must stop at the same step; rank 0's clock decides
+            flag = torch.tensor([1.0 if done else 0.0])
+            dist.broadcast(flag, src=0)
+            done = bool(flag.item())
+        return done
+
+    while not out_of_budget():
+        lr = lr_at(step, s, horizon if horizon is not None else 10**9)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = 0.0
+        for micro in range(s.grad_accum):
+            x, y = sampler.batch(step, micro)
+            sync = world == 1 or micro == s.grad_accum - 1
+            with (contextlib.nullcontext() if sync else net.no_sync()), _autocast(s.dtype):
+                loss = loss_fn(net, x, y) / s.grad_accum
+            loss.backward()
+            loss_sum += loss.item()
+        if s.grad_clip > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, s.grad_clip))
+        else:
+            grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        tokens += tokens_per_step
+        window_tokens += tokens_per_step
+
+        # A wall-clock budget becomes a step horizon once a few steps are timed, before any
+        # checkpoint, so the cosine schedule ends with the budget and resumes identically.
+        if horizon is None:
+            if probe_start is None:
+                probe_start, probe_step = time.perf_counter(), step  # skip the first (warm-up) step
+            elif step - probe_step >= HORIZON_PROBE_STEPS:
+                per_step = (time.perf_counter() - probe_start) / (step - probe_step)
+                remaining = max(1, int((s.max_minutes * 60 - elapsed()) / per_step))
+                horizon = min(step + remaining, horizon_from_budget(None))
+                if is_main:
+                    log.info("wall-clock budget: %.1f min at %.3f s/step -> cosine horizon %d steps",
+                             s.max_minutes, per_step, horizon)
+
+        now = time.perf_counter()
+        window = now - window_start
+        tok_s = window_tokens / window if window > 0 else 0.0
+        mfu = tok_s * flops_tok / (s.peak_flops * world) if s.peak_flops else 0.0
+        window_start, window_tokens = now, 0
+        record = {"step": step, "loss": loss_sum, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+                  "tokens_per_s": tok_s, "mfu": mfu, "elapsed": elapsed()}
+        final = out_of_budget()
+        if step % s.eval_interval == 0 or final:
+            val_loss, val_bpb = evaluate(model, val, byte_lengths, s.dtype)
+            record.update(val_loss=val_loss, val_bpb=val_bpb)
+        history.append(record)
+        if is_main:
+            if log_metrics:
+                log_metrics({k: v for k, v in record.items() if k != "step"}, step)
+            if on_progress:
+                fraction = max(step / horizon if horizon else 0.0,
+                               elapsed() / (s.max_minutes * 60) if s.max_minutes else 0.0)
+                on_progress(min(1.0, fraction), f"step {step} loss {loss_sum:.3f}")
+            if "val_bpb" in record:
+                log.info("step %d: loss %.4f, val loss %.4f, val bpb %.4f, %.0f tok/s, MFU %.1f%%",
+                         step, loss_sum, val_loss, val_bpb, tok_s, 100 * mfu)
+        if is_main and horizon is not None and (
+            step % s.checkpoint_every_steps == 0 or now - last_checkpoint >= s.checkpoint_every_minutes * 60 or final
+        ):
+            save_training_checkpoint(
+                checkpoint_dir, step, model, optimizer.state_dict(),
+                {"step": step, "tokens": tokens, "elapsed": elapsed(), "horizon": horizon,
+                 "history": history, "torch_rng": torch.get_rng_state()},
+            )
+            last_checkpoint = time.perf_counter()
+        if final:
+            break
+
+    if world > 1:
+        dist.barrier()
+    if math.isnan(val_loss):  # resumed at the very end: nothing left to train, still report quality
+        val_loss, val_bpb = evaluate(model, val, byte_lengths, s.dtype)
+    seconds = elapsed()
+    steady = [h["tokens_per_s"] for h in history[1:]] or [h["tokens_per_s"] for h in history]
+    tok_s = float(np.median(steady)) if steady else 0.0
+    return TrainResult(
+        steps=step, tokens=tokens, seconds=seconds, tokens_per_s=tok_s,
+        mfu=tok_s * flops_tok / (s.peak_flops * world) if s.peak_flops else 0.0,
+        val_loss=val_loss, val_bpb=val_bpb, peak_rss_mb=peak_rss_mb(), resumed_from=resumed_from, history=history,
+    )

@@ -1,0 +1,121 @@
+"""Training on real token shards: learning, exact resume after SIGKILL, torchrun/DDP, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models.checkpoint import save_training_checkpoint
+from models.config import LlamaConfig
+from models.llama import Llama
+from tasks.config import load_config
+from tasks.data import open_shards, token_byte_lengths, unigram_bpb
+from tasks.errors import DataError, UserError
+from tasks.pretrain import _check_resumable, launch_torchrun, run_training
+from tasks.tokenize import tokenize
+from tests.conftest import make_text
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("shards")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(40):
+        (corpus / f"{i}.txt").write_text(make_text(i, 80))
+    out = root / "tok"
+    out.mkdir()
+    tokenize(load_config("tiny", overrides=[f"data.source={corpus}", "data.max_docs=null"]), out, root / "cache")
+    return out
+
+
+def spec_for(shards: Path, out_dir: Path, *overrides: str, threads: int = 1) -> dict:
+    cfg = load_config("tiny", overrides=["train.max_minutes=null", *overrides])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return {"config": cfg.model_dump(mode="json"), "tokenize_dir": str(shards), "out_dir": str(out_dir),
+            "threads": threads, "dtype": "float32", "peak_flops": 1e12, "tracking_uri": "", "run_id": None}
+
+
+def test_training_learns_and_reports(shards, tmp_path):
+    result = run_training(spec_for(shards, tmp_path / "run", "train.max_steps=40"))
+    assert result["steps"] == 40 and result["tokens"] == 40 * 8 * 64
+    history = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
+    assert history[0]["loss"] > history[-1]["loss"] + 0.5
+    assert history[-1]["loss"] < math.log(open_shards(shards, 64).vocab_size)
+    s = open_shards(shards, 64)
+    lengths = token_byte_lengths(s.tokenizer_path)
+    uniform_bpb = math.log2(s.vocab_size) * len(s.val) / lengths[s.val].sum()
+    assert result["val_bpb"] < uniform_bpb
+    assert unigram_bpb(s.train, s.val, s.vocab_size, lengths) < uniform_bpb
+    assert result["tokens_per_s"] > 0 and 0 < result["mfu"] < 1 and result["peak_rss_mb"] > 50
+    assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
+    assert (tmp_path / "run" / "model" / "tokenizer.json").is_file()
+
+
+def _train_in_subprocess(spec: dict, spec_path: Path) -> subprocess.Popen:
+    spec_path.write_text(json.dumps(spec))
+    code = "import json, sys; from tasks.pretrain import run_training; run_training(json.load(open(sys.argv[1])))"
+    return subprocess.Popen([sys.executable, "-c", code, str(spec_path)], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_sigkill_then_rerun_ends_with_bitwise_identical_weights(shards, tmp_path):
+    args = ("train.max_steps=150", "train.checkpoint_every_steps=10", "train.eval_interval=50")
+    straight = _train_in_subprocess(spec_for(shards, tmp_path / "a", *args), tmp_path / "a.json")
+    assert straight.wait(timeout=300) == 0
+
+    killed = _train_in_subprocess(spec_for(shards, tmp_path / "b", *args), tmp_path / "b.json")
+    marker = tmp_path / "b" / "checkpoints" / "step-00000030"
+    deadline = time.time() + 120
+    while not marker.exists() and time.time() < deadline and killed.poll() is None:
+        time.sleep(0.02)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert killed.returncode == -signal.SIGKILL, "training finished before it could be killed"
+    assert not (tmp_path / "b" / "result.json").exists()
+
+    rerun = _train_in_subprocess(spec_for(shards, tmp_path / "b", *args), tmp_path / "b.json")
+    assert rerun.wait(timeout=300) == 0
+    result = json.loads((tmp_path / "b" / "result.json").read_text())
+    assert result["resumed_from"] >= 30 and result["steps"] == 150
+    a = load_file(str(tmp_path / "a" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "model" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bitwise, not approximately
+
+
+def test_two_processes_with_ddp_over_gloo(shards, tmp_path):
+    spec = spec_for(shards, tmp_path / "ddp", "train.max_steps=12", "train.nproc_per_node=2",
+                    "train.eval_interval=6", "train.checkpoint_every_steps=6")
+    spec_path = tmp_path / "ddp" / "launch.json"
+    spec_path.write_text(json.dumps(spec))
+    launch_torchrun(load_config("tiny", overrides=["train.nproc_per_node=2", "train.threads=1"]), spec_path, "k" * 16)
+    result = json.loads((tmp_path / "ddp" / "result.json").read_text())
+    assert result["steps"] == 12
+    assert result["tokens"] == 12 * 8 * 64 * 2  # both ranks' batches count
+    history = [json.loads(line) for line in (tmp_path / "ddp" / "history.jsonl").read_text().splitlines()]
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert sorted(p.name for p in (tmp_path / "ddp" / "checkpoints").iterdir()) == ["step-00000006", "step-00000012"]
+
+
+def test_bad_training_inputs_fail_before_training(shards, tmp_path):
+    with pytest.raises(DataError, match="fewer than one sequence of model.block_size=100000"):
+        open_shards(shards, 100_000)
+    with pytest.raises(DataError, match="meta.json is missing"):
+        open_shards(tmp_path, 64)
+    other = Llama(LlamaConfig(vocab_size=50, n_layer=1, n_head=2, n_kv_head=1, d_model=16, d_mlp=32, block_size=16))
+    save_training_checkpoint(tmp_path / "ck", 5, other, {}, {"step": 5})
+    with pytest.raises(UserError, match="checkpoint of another model config"):
+        _check_resumable(tmp_path / "ck", LlamaConfig(vocab_size=50, n_layer=2, n_head=2, n_kv_head=1, d_model=16,
+                                                      d_mlp=32, block_size=16))
