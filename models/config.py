@@ -13,11 +13,11 @@ class ModelConfigError(ValueError):
 @dataclass(frozen=True)
 class LlamaConfig:
     vocab_size: int
-    n_layer: int = 6
-    n_head: int = 6
+    n_layer: int = 4
+    n_head: int = 4
     n_kv_head: int = 2
-    d_model: int = 384
-    d_mlp: int = 1024
+    d_model: int = 256
+    d_mlp: int = 704
     block_size: int = 256
     tie_embeddings: bool = True
     rope_theta: float = 10_000.0
@@ -59,7 +59,7 @@ class LlamaConfig:
 # Named sizes. Parameter counts are for a 4096-token vocabulary with tied embeddings.
 SIZES: dict[str, dict[str, Any]] = {
     "tiny": dict(n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_mlp=176, block_size=64),  # ~0.3M
-    "demo": dict(n_layer=6, n_head=6, n_kv_head=2, d_model=384, d_mlp=1024, block_size=256),  # ~10M
+    "demo": dict(n_layer=4, n_head=4, n_kv_head=2, d_model=256, d_mlp=704, block_size=256),  # ~4M
     "small": dict(n_layer=12, n_head=12, n_kv_head=4, d_model=768, d_mlp=2048, block_size=512),  # ~78M
     "medium-320m": dict(n_layer=26, n_head=16, n_kv_head=4, d_model=1024, d_mlp=3072, block_size=512),  # ~318M
     "large-1b": dict(n_layer=22, n_head=32, n_kv_head=4, d_model=2048, d_mlp=5632, block_size=512),  # ~1B

@@ -71,11 +71,11 @@ class TokenizerConfig(Section):
 
 
 class ModelConfig(Section):
-    n_layer: int = Field(6, gt=0, description="Decoder blocks.")
-    n_head: int = Field(6, gt=0, description="Query heads per block.")
+    n_layer: int = Field(4, gt=0, description="Decoder blocks.")
+    n_head: int = Field(4, gt=0, description="Query heads per block.")
     n_kv_head: int = Field(2, gt=0, description="Key/value heads (grouped-query attention).")
-    d_model: int = Field(384, gt=0, description="Embedding width.")
-    d_mlp: int = Field(1024, gt=0, description="SwiGLU hidden width.")
+    d_model: int = Field(256, gt=0, description="Embedding width.")
+    d_mlp: int = Field(704, gt=0, description="SwiGLU hidden width.")
     block_size: int = Field(256, gt=0, description="Context length in tokens.")
     tie_embeddings: bool = Field(True, description="Share the token embedding and the LM head.")
     rope_theta: float = Field(10_000.0, gt=0, description="Rotary embedding base.")
@@ -95,20 +95,20 @@ class ModelConfig(Section):
 
 
 class TrainConfig(Section):
-    batch_size: int = Field(16, gt=0, description="Sequences per micro-batch.")
+    batch_size: int = Field(8, gt=0, description="Sequences per micro-batch.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
-    lr: float = Field(1e-3, gt=0, description="Peak learning rate.")
-    min_lr: float = Field(1e-4, ge=0, description="Learning rate at the end of cosine decay.")
-    warmup_steps: int = Field(50, ge=0, description="Linear warm-up steps.")
+    lr: float = Field(2e-3, gt=0, description="Peak learning rate.")
+    min_lr: float = Field(2e-4, ge=0, description="Learning rate at the end of cosine decay.")
+    warmup_steps: int = Field(30, ge=0, description="Linear warm-up steps.")
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay on matrices.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 = off).")
     max_tokens: int | None = Field(None, gt=0, description="Stop after this many training tokens.")
     max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps.")
     max_minutes: float | None = Field(5.0, gt=0, description="Stop after this many wall-clock minutes.")
-    eval_interval: int = Field(100, gt=0, description="Validate every this many steps.")
+    eval_interval: int = Field(50, gt=0, description="Validate every this many steps.")
     eval_batches: int = Field(8, gt=0, description="Fixed validation batches per evaluation.")
-    checkpoint_every_steps: int = Field(200, gt=0, description="Checkpoint every this many steps.")
+    checkpoint_every_steps: int = Field(100, gt=0, description="Checkpoint every this many steps.")
     checkpoint_every_minutes: float = Field(5.0, gt=0, description="...and at least this often in minutes.")
     seed: int = Field(1337, description="Seed for initialisation and data order.")
     threads: int = Field(0, ge=0, description="Intra-op threads per process (0 = the cores available).")

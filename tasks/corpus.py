@@ -29,8 +29,9 @@ STRUCTURED_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parqu
 SUPPORTED_SUFFIXES = TEXT_SUFFIXES + tuple(STRUCTURED_BUILDERS)
 HUB_PREFIX = "hf:"
 
-# The stdlib's own tests are excluded: they are large, repetitive and not what people write.
-STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+# The stdlib's own tests and its generated codec tables (encodings/cp*.py: 256-line character
+# maps) are excluded: large, repetitive, and not what people write.
+STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings"}
 BINARY_SNIFF_BYTES = 8192
 BINARY_INVALID_SHARE = 0.10  # more undecodable bytes than this in the head: binary, not text
 REPLACEMENT = "\ufffd"

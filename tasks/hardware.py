@@ -80,15 +80,20 @@ def measure_matmul_peak(threads: int, dtype: torch.dtype = torch.float32, size: 
 
 
 def matmul_peak(threads: int, cache_dir: Path, dtype: torch.dtype = torch.float32) -> float:
-    """The measured peak, cached per (CPU, threads, dtype, torch version) so it is measured once."""
+    """The best matmul rate ever measured here per (CPU, threads, dtype, torch version).
+
+    Noise from other processes can only make a measurement low, so each call measures again
+    briefly and the cache keeps the maximum: MFU is never flattered by a slow first reading.
+    """
+    from models.fileio import atomic_write_json
+
     key = f"{cpu_model()}|{threads}|{dtype}|{torch.__version__}"
     cache = cache_dir / "matmul_peak.json"
     known = json.loads(cache.read_text()) if cache.is_file() else {}
-    if key not in known:
-        known[key] = measure_matmul_peak(threads, dtype)
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        from models.fileio import atomic_write_json
-
+    measured = measure_matmul_peak(threads, dtype)
+    if measured > known.get(key, 0.0):
+        known[key] = measured
         atomic_write_json(cache, known)
-        log.info("measured fp32 matmul peak with %d threads: %.1f GFLOP/s", threads, known[key] / 1e9)
+    log.info("fp32 matmul peak with %d threads: %.1f GFLOP/s (this measurement %.1f)",
+             threads, known[key] / 1e9, measured / 1e9)
     return float(known[key])

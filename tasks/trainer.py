@@ -121,6 +121,13 @@ def _autocast(dtype: torch.dtype):
     return contextlib.nullcontext()
 
 
+def _broadcast_int(value: int | None) -> int | None:
+    """Rank 0's value on every rank (None travels as -1)."""
+    t = torch.tensor([-1 if value is None else value], dtype=torch.int64)
+    dist.broadcast(t, src=0)
+    return None if t.item() == -1 else int(t.item())
+
+
 def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -178,8 +185,9 @@ def train(
             limits.append(math.ceil(s.max_tokens / tokens_per_step))
         return min(limits) if limits else 10**9
 
+    horizon_frozen = horizon is not None  # restored from a checkpoint
     if horizon is None and not s.max_minutes:
-        horizon = horizon_from_budget(None)
+        horizon, horizon_frozen = horizon_from_budget(None), True
     run_start = time.perf_counter()
     last_checkpoint = run_start
     probe_start, probe_step = None, step
@@ -222,18 +230,18 @@ def train(
         tokens += tokens_per_step
         window_tokens += tokens_per_step
 
-        # A wall-clock budget becomes a step horizon once a few steps are timed, before any
-        # checkpoint, so the cosine schedule ends with the budget and resumes identically.
-        if horizon is None:
+        # A wall-clock budget becomes a step horizon from the measured step time. It is refined
+        # until the first checkpoint (a busy machine can make the first steps slow) and frozen
+        # there, so the cosine schedule ends with the budget and a resume replays it exactly.
+        if not horizon_frozen:
             if probe_start is None:
                 probe_start, probe_step = time.perf_counter(), step  # skip the first (warm-up) step
             elif step - probe_step >= HORIZON_PROBE_STEPS:
                 per_step = (time.perf_counter() - probe_start) / (step - probe_step)
                 remaining = max(1, int((s.max_minutes * 60 - elapsed()) / per_step))
                 horizon = min(step + remaining, horizon_from_budget(None))
-                if is_main:
-                    log.info("wall-clock budget: %.1f min at %.3f s/step -> cosine horizon %d steps",
-                             s.max_minutes, per_step, horizon)
+            if world > 1:  # every rank follows rank 0's clock
+                horizon = _broadcast_int(horizon)
 
         now = time.perf_counter()
         window = now - window_start
@@ -257,9 +265,15 @@ def train(
             if "val_bpb" in record:
                 log.info("step %d: loss %.4f, val loss %.4f, val bpb %.4f, %.0f tok/s, MFU %.1f%%",
                          step, loss_sum, val_loss, val_bpb, tok_s, 100 * mfu)
-        if is_main and horizon is not None and (
-            step % s.checkpoint_every_steps == 0 or now - last_checkpoint >= s.checkpoint_every_minutes * 60 or final
-        ):
+        checkpoint_now = horizon is not None and (
+            step % s.checkpoint_every_steps == 0 or now - last_checkpoint >= s.checkpoint_every_minutes * 60 or final)
+        if world > 1:
+            checkpoint_now = bool(_broadcast_int(int(checkpoint_now)))
+        if checkpoint_now and not horizon_frozen:
+            horizon_frozen = True
+            if is_main:
+                log.info("wall-clock budget of %.1f min -> cosine horizon fixed at %d steps", s.max_minutes, horizon)
+        if checkpoint_now and is_main:
             save_training_checkpoint(
                 checkpoint_dir, step, model, optimizer.state_dict(),
                 {"step": step, "tokens": tokens, "elapsed": elapsed(), "horizon": horizon,

@@ -55,7 +55,15 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
                  "vocab_size", "tokens_per_s"):
         assert tok["metrics"][name] > 0
     assert (workdir / "runs" / first["run_id"] / "summary.json").is_file()
-    assert prefect_task_states(first["run_id"]) == {"tokenize": "Completed"}
+    assert prefect_task_states(first["run_id"]) == {"tokenize": "Completed", "pretrain": "Completed"}
+
+    pre = first["stages"]["pretrain"]
+    assert pre["status"] == "completed"
+    for name in ("params", "tokens", "tokens_per_s", "mfu", "val_loss", "val_bpb", "peak_rss_mb", "seconds"):
+        assert pre["metrics"][name] > 0, name
+    model_dir = Path(pre["output_dir"]) / "model"
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= {p.name for p in model_dir.iterdir()}
+    assert "=== prompt: 'def '" in (Path(pre["output_dir"]) / "samples.txt").read_text()
 
     client = mlflow_client(workdir)
     parent = client.get_run(first["mlflow_run_id"])
@@ -68,24 +76,32 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
     assert {a.path for a in client.list_artifacts(child.info.run_id)} >= {"tokenizer.json", "meta.json"}
     assert child.inputs.dataset_inputs and child.inputs.dataset_inputs[0].dataset.name == "corpus"
     assert client.get_experiment(parent.info.experiment_id).name == "cpuforge"
+    train_run = client.get_run(pre["mlflow_run_id"])
+    assert len(client.get_metric_history(train_run.info.run_id, "loss")) == pre["metrics"]["steps"]
+    assert {m.step for m in client.get_metric_history(train_run.info.run_id, "val_bpb")} >= {10, 20, 30}
+    assert {"loss_curve.png", "samples.txt", "model"} <= {a.path for a in client.list_artifacts(train_run.info.run_id)}
 
     code, second = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}")
     assert code == 0
     again = second["stages"]["tokenize"]
     assert again["status"] == "cached" and again["output_dir"] == tok["output_dir"]
     assert again["metrics"] == tok["metrics"]
-    assert prefect_task_states(second["run_id"]) == {"tokenize": "Cached"}
-    cached_runs = [r for r in client.search_runs([parent.info.experiment_id],
-                                                 f"tags.mlflow.parentRunId = '{second['mlflow_run_id']}'")]
-    assert len(cached_runs) == 1
-    assert cached_runs[0].data.tags["cpuforge.cached"] == "true"
-    assert cached_runs[0].data.tags["cpuforge.source_run_id"] == tok["mlflow_run_id"]
+    assert second["stages"]["pretrain"]["status"] == "cached"
+    assert prefect_task_states(second["run_id"]) == {"tokenize": "Cached", "pretrain": "Cached"}
+    cached_runs = {r.data.tags["cpuforge.stage"]: r for r in client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{second['mlflow_run_id']}'")}
+    assert set(cached_runs) == {"tokenize", "pretrain"}
+    assert cached_runs["tokenize"].data.tags["cpuforge.cached"] == "true"
+    assert cached_runs["tokenize"].data.tags["cpuforge.source_run_id"] == tok["mlflow_run_id"]
+    assert cached_runs["pretrain"].data.tags["cpuforge.source_run_id"] == pre["mlflow_run_id"]
 
-    # A later stage's settings leave tokenize cached; its own settings re-run it.
+    # A later stage's settings leave earlier stages cached; a stage's own settings re-run it and what follows.
     code, later = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}", "--set", "model.n_layer=3")
     assert code == 0 and later["stages"]["tokenize"]["status"] == "cached"
+    assert later["stages"]["pretrain"]["status"] == "completed"
     code, changed = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}", "--set", "tokenizer.vocab_size=400")
     assert code == 0 and changed["stages"]["tokenize"]["status"] == "completed"
+    assert changed["stages"]["pretrain"]["status"] == "completed"
     assert changed["stages"]["tokenize"]["output_dir"] != tok["output_dir"]
 
     # New data changes the source fingerprint and so the key.
@@ -104,6 +120,7 @@ def test_a_failing_stage_fails_the_runs_and_leaves_nothing_finished(tmp_path, pr
     err = capsys.readouterr().err
     assert "error: the corpus" in err and "is empty" in err
     assert summary["status"] == "failed" and summary["stages"]["tokenize"]["status"] == "failed"
+    assert "pretrain" not in summary["stages"]  # nothing after a failed stage runs
     assert not [p for p in (workdir / "stages").iterdir() if p.name.startswith("tokenize-") and
                 not p.name.endswith(".partial")]
     client = mlflow_client(workdir)
@@ -132,6 +149,7 @@ def test_console_script_on_the_embedded_corpus(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["stages"]["tokenize"]["status"] == "completed"
+    assert summary["stages"]["pretrain"]["status"] == "completed"
     assert (tmp_path / "cpuforge-runs" / "mlflow.db").is_file()
     assert "tokenize" in proc.stdout and "mlflow ui --backend-store-uri" in proc.stdout
     bad = subprocess.run([str(exe), "run", "--set", "data.source=/no/such/dir"], cwd=tmp_path, env=env,

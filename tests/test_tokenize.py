@@ -145,7 +145,7 @@ def test_embedded_stdlib_corpus_excludes_site_packages_and_tests():
     root = stdlib_root()
     assert len(files) == cfg.data.max_docs
     assert all(p.suffix == ".py" and root in p.parents for p in files)
-    assert not any({"site-packages", "test", "tests"} & set(p.relative_to(root).parts) for p in files)
+    assert not any({"site-packages", "test", "tests", "encodings"} & set(p.relative_to(root).parts) for p in files)
     everything, _ = list_source_files(load_config("demo").data)
     assert len(everything) > 500
 

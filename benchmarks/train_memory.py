@@ -1,0 +1,67 @@
+"""Peak memory of optimizer steps for large configs, with activation checkpointing off and on.
+
+    python benchmarks/train_memory.py [--sizes medium-320m large-1b] [--batch 1] [--steps 2]
+
+Each (size, checkpointing) case runs in its own process so its peak RSS is its own; prints
+parameters, peak RSS, bytes per parameter and seconds per step. fp32 AdamW needs 16 bytes
+per parameter for weights, gradients and the two moments before any activation.
+Goal: large-1b completes optimizer steps within this machine's 24 GiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+CHILD = r"""
+import json, resource, sys, time, torch, torch.nn.functional as F
+from models.config import LlamaConfig
+from models.llama import Llama, param_count
+from tasks.hardware import available_cores
+size, ckpt, batch, steps = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(available_cores())
+cfg = LlamaConfig.named(size, vocab_size=32000)
+model = Llama(cfg)
+model.activation_checkpointing = ckpt
+opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)  # foreach would add a full-size temp copy
+x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size))
+times = []
+for _ in range(steps):
+    t0 = time.perf_counter()
+    logits, _ = model(x)
+    F.cross_entropy(logits.view(-1, logits.size(-1)), x.view(-1)).backward()
+    del logits
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    times.append(time.perf_counter() - t0)
+print(json.dumps({"params": param_count(model), "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "seconds_per_step": min(times), "steps": steps}))
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=["medium-320m", "large-1b"])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=2)
+    args = parser.parse_args()
+    print(f"{'size':>12} {'act. ckpt':>9} {'params':>8} {'peak RSS':>10} {'bytes/param':>11} {'s/step':>7}")
+    for size in args.sizes:
+        for ckpt in (False, True):
+            t0 = time.time()
+            proc = subprocess.run([sys.executable, "-c", CHILD, size, "1" if ckpt else "0", str(args.batch), str(args.steps)],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(f"{size:>12} {str(ckpt):>9} failed after {time.time() - t0:.0f}s: "
+                      f"{(proc.stderr.strip().splitlines() or ['killed (out of memory?)'])[-1]}")
+                continue
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            print(f"{size:>12} {str(ckpt):>9} {r['params'] / 1e6:7.0f}M {r['peak_rss_mb'] / 1024:8.2f}GiB "
+                  f"{r['peak_rss_mb'] * 2**20 / r['params']:11.1f} {r['seconds_per_step']:7.1f}")
+
+
+if __name__ == "__main__":
+    main()
