@@ -105,7 +105,10 @@ def log_stage_result(run_id: str, metrics: dict[str, float], output_dir: Path, a
     client.log_batch(run_id, metrics=[Metric(name, float(v), now_ms, 0) for name, v in metrics.items()])
     for name in artifacts:
         path = output_dir / name
-        client.log_artifact(run_id, str(path), artifact_path=None if path.is_file() else name)
+        if path.is_dir():
+            client.log_artifacts(run_id, str(path), artifact_path=name)
+        else:
+            client.log_artifact(run_id, str(path))
     if info:
         client.log_dict(run_id, info, "stage_info.json")
     if "dataset" in info:

@@ -171,7 +171,7 @@ def train(
 
     net: torch.nn.Module = model
     if world > 1:
-        net = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+        net = torch.nn.parallel.DistributedDataParallel(model, forward_sync_buffers=False)  # rope caches are equal everywhere
     net.train()
     params = [p for p in model.parameters() if p.requires_grad]
     flops_tok = flops_per_token(model.cfg)
@@ -256,8 +256,9 @@ def train(
             record.update(val_loss=val_loss, val_bpb=val_bpb)
         history.append(record)
         if is_main:
-            if log_metrics:
-                log_metrics({k: v for k, v in record.items() if k != "step"}, step)
+            if log_metrics:  # per-step series live under train/ and val/; plain names are the stage summary
+                log_metrics({(f"val/{k[4:]}" if k.startswith("val_") else f"train/{k}"): v
+                             for k, v in record.items() if k != "step"}, step)
             if on_progress:
                 fraction = max(step / horizon if horizon else 0.0,
                                elapsed() / (s.max_minutes * 60) if s.max_minutes else 0.0)

@@ -107,3 +107,19 @@ def test_a_corrupted_newest_checkpoint_falls_back_to_the_previous(tmp_path, mode
     assert latest_valid_checkpoint(tmp_path) is None
     save_training_checkpoint(tmp_path, 30, model, opt.state_dict(), {"step": 30}, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000020", "step-00000030"]
+
+
+def test_activation_checkpointing_recomputes_blocks_and_keeps_gradients():
+    torch.manual_seed(0)
+    plain, ckpt = Llama(CFG), Llama(CFG)
+    ckpt.load_state_dict(plain.state_dict())
+    ckpt.activation_checkpointing = True
+    calls = {"plain": 0, "ckpt": 0}
+    plain.blocks[0].attn.register_forward_hook(lambda *a: calls.__setitem__("plain", calls["plain"] + 1))
+    ckpt.blocks[0].attn.register_forward_hook(lambda *a: calls.__setitem__("ckpt", calls["ckpt"] + 1))
+    x = torch.randint(0, 97, (2, 16))
+    for m in (plain, ckpt):
+        m.loss(x[:, :-1], x[:, 1:]).backward()
+    assert calls == {"plain": 1, "ckpt": 2}  # the backward pass re-ran the block
+    for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), name

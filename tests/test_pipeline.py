@@ -77,9 +77,13 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
     assert child.inputs.dataset_inputs and child.inputs.dataset_inputs[0].dataset.name == "corpus"
     assert client.get_experiment(parent.info.experiment_id).name == "cpuforge"
     train_run = client.get_run(pre["mlflow_run_id"])
-    assert len(client.get_metric_history(train_run.info.run_id, "loss")) == pre["metrics"]["steps"]
-    assert {m.step for m in client.get_metric_history(train_run.info.run_id, "val_bpb")} >= {10, 20, 30}
+    for series in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/mfu"):
+        assert len(client.get_metric_history(train_run.info.run_id, series)) == pre["metrics"]["steps"], series
+    assert {m.step for m in client.get_metric_history(train_run.info.run_id, "val/bpb")} == {10, 20, 30}
+    assert train_run.data.metrics["val_bpb"] == pre["metrics"]["val_bpb"]
     assert {"loss_curve.png", "samples.txt", "model"} <= {a.path for a in client.list_artifacts(train_run.info.run_id)}
+    assert {"model/model.safetensors", "model/config.json", "model/tokenizer.json"} <= {
+        a.path for a in client.list_artifacts(train_run.info.run_id, "model")}
 
     code, second = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}")
     assert code == 0
