@@ -71,6 +71,7 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.profile, args.config, args.overrides)
     stage_extra_key(cfg)  # resolves the data source: a wrong path fails here, before any work
+    _check_prune_target(cfg)
     workdir = Path(args.workdir).expanduser().resolve()
     workdir.mkdir(parents=True, exist_ok=True)
 
@@ -90,6 +91,14 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     _print_summary(summary)
     return 0
+
+
+def _check_prune_target(cfg) -> None:
+    """Reject an impossible pruning target now, estimating the vocabulary by tokenizer.vocab_size."""
+    from tasks.pretrain import model_config
+    from tasks.prune import target_config
+
+    target_config(model_config(cfg, cfg.tokenizer.vocab_size), cfg.prune)
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

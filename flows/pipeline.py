@@ -15,6 +15,8 @@ from tasks.stage import StageContext
 from tasks.store import StageRecord
 from tasks.summary import add_stage, new_summary, write_summary
 from tasks.pretrain import pretrain_task
+from tasks.prune import prune_task
+from tasks.recover import recover_task
 from tasks.tokenize import tokenize_task
 
 DEFAULT_WORKDIR = "cpuforge-runs"
@@ -28,7 +30,7 @@ def pipeline(
     workdir: str = DEFAULT_WORKDIR,
     summary_path: str | None = None,
 ) -> dict[str, Any]:
-    """Raw text to a small, fast model: tokenize -> pretrain (more stages land here as they are built).
+    """Raw text to a small, fast model: tokenize -> pretrain -> prune -> recover (more stages land here as they are built).
 
     Args:
         profile: named profile: tiny (about a minute), demo (10-15 minutes), full (hours).
@@ -50,7 +52,10 @@ def pipeline(
             ctx = StageContext(cfg, root, parent_run_id, uri, experiment_id)
 
             tokenized = _stage(tokenize_task, summary, ctx)
-            pretrained = _stage(pretrain_task, summary, ctx, tokenize=tokenized)  # noqa: F841 (input of prune, next)
+            pretrained = _stage(pretrain_task, summary, ctx, tokenize=tokenized)
+            pruned = _stage(prune_task, summary, ctx, tokenize=tokenized, pretrain=pretrained)
+            recovered = _stage(recover_task, summary, ctx, tokenize=tokenized, pretrain=pretrained,  # noqa: F841
+                               prune=pruned)
 
         summary["status"] = "completed"
         return summary

@@ -22,12 +22,15 @@ class LlamaConfig:
     tie_embeddings: bool = True
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
+    # Width of one attention head. None: d_model // n_head. Set explicitly once embedding
+    # channels are pruned, since the heads keep their size when d_model shrinks.
+    head_dim_override: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "d_mlp", "block_size"):
             if getattr(self, name) <= 0:
                 raise ModelConfigError(f"{name}={getattr(self, name)} must be positive")
-        if self.d_model % self.n_head:
+        if self.head_dim_override is None and self.d_model % self.n_head:
             raise ModelConfigError(f"n_head={self.n_head} does not divide d_model={self.d_model}")
         if self.n_head % self.n_kv_head:
             raise ModelConfigError(f"n_kv_head={self.n_kv_head} does not divide n_head={self.n_head}")
@@ -36,7 +39,7 @@ class LlamaConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_head
+        return self.head_dim_override or self.d_model // self.n_head
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -150,6 +150,14 @@ def param_count(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
+def config_param_count(cfg: LlamaConfig) -> int:
+    """Parameters of a model with this config, without building it (equals param_count(Llama(cfg)))."""
+    attn = cfg.d_model * (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim + cfg.n_head * cfg.head_dim * cfg.d_model
+    per_layer = attn + 3 * cfg.d_model * cfg.d_mlp + 2 * cfg.d_model
+    embeddings = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+    return cfg.n_layer * per_layer + embeddings + cfg.d_model
+
+
 def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None) -> float:
     """Training FLOPs per token: 6 x matmul parameters + attention (PaLM appendix B convention).
 
@@ -159,7 +167,7 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None) -> float:
     attn = cfg.d_model * (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim + cfg.n_head * cfg.head_dim * cfg.d_model
     mlp = 3 * cfg.d_model * cfg.d_mlp
     matmul_params = cfg.n_layer * (attn + mlp) + cfg.d_model * cfg.vocab_size
-    return 6.0 * matmul_params + 12.0 * cfg.n_layer * cfg.d_model * T
+    return 6.0 * matmul_params + 12.0 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
 
 
 @torch.no_grad()

@@ -34,7 +34,8 @@ from tasks.data import BatchSampler, bits_per_byte
 log = logging.getLogger("cpuforge.trainer")
 
 HORIZON_PROBE_STEPS = 3  # steps timed to turn a wall-clock budget into a step horizon
-LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+# A loss function returns the loss, or (loss, {name: value}) to log its parts per step too.
+LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], "torch.Tensor | tuple[torch.Tensor, dict[str, float]]"]
 
 
 @dataclass
@@ -213,13 +214,18 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = 0.0
+        parts: dict[str, float] = {}
         for micro in range(s.grad_accum):
             x, y = sampler.batch(step, micro)
             sync = world == 1 or micro == s.grad_accum - 1
             with (contextlib.nullcontext() if sync else net.no_sync()), _autocast(s.dtype):
-                loss = loss_fn(net, x, y) / s.grad_accum
+                out = loss_fn(net, x, y)
+                loss, named = out if isinstance(out, tuple) else (out, {})
+                loss = loss / s.grad_accum
             loss.backward()
             loss_sum += loss.item()
+            for name, value in named.items():
+                parts[name] = parts.get(name, 0.0) + value / s.grad_accum
         if s.grad_clip > 0:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, s.grad_clip))
         else:
@@ -248,7 +254,7 @@ def train(
         tok_s = window_tokens / window if window > 0 else 0.0
         mfu = tok_s * flops_tok / (s.peak_flops * world) if s.peak_flops else 0.0
         window_start, window_tokens = now, 0
-        record = {"step": step, "loss": loss_sum, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
+        record = {"step": step, "loss": loss_sum, **parts, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                   "tokens_per_s": tok_s, "mfu": mfu, "elapsed": elapsed()}
         final = out_of_budget()
         if step % s.eval_interval == 0 or final:

@@ -55,7 +55,9 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
                  "vocab_size", "tokens_per_s"):
         assert tok["metrics"][name] > 0
     assert (workdir / "runs" / first["run_id"] / "summary.json").is_file()
-    assert prefect_task_states(first["run_id"]) == {"tokenize": "Completed", "pretrain": "Completed"}
+    stages = ("tokenize", "pretrain", "prune", "recover")
+    assert prefect_task_states(first["run_id"]) == {name: "Completed" for name in stages}
+    assert list(first["stages"]) == list(stages)
 
     pre = first["stages"]["pretrain"]
     assert pre["status"] == "completed"
@@ -64,6 +66,12 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
     model_dir = Path(pre["output_dir"]) / "model"
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= {p.name for p in model_dir.iterdir()}
     assert "=== prompt: 'def '" in (Path(pre["output_dir"]) / "samples.txt").read_text()
+    pruned, recovered = first["stages"]["prune"]["metrics"], first["stages"]["recover"]["metrics"]
+    assert pruned["params_before"] == pre["metrics"]["params"]
+    assert pruned["params_after"] <= pruned["params_before"] / 2
+    assert pruned["val_bpb_before"] == pytest.approx(pre["metrics"]["val_bpb"], abs=1e-3)
+    assert pruned["val_bpb_after"] > 0 and recovered["val_bpb"] > 0
+    assert recovered["params"] == pruned["params_after"] and recovered["tokens"] > 0
 
     client = mlflow_client(workdir)
     parent = client.get_run(first["mlflow_run_id"])
@@ -90,16 +98,18 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
     again = second["stages"]["tokenize"]
     assert again["status"] == "cached" and again["output_dir"] == tok["output_dir"]
     assert again["metrics"] == tok["metrics"]
-    assert second["stages"]["pretrain"]["status"] == "cached"
-    assert prefect_task_states(second["run_id"]) == {"tokenize": "Cached", "pretrain": "Cached"}
+    assert {v["status"] for v in second["stages"].values()} == {"cached"}
+    assert prefect_task_states(second["run_id"]) == {name: "Cached" for name in stages}
     cached_runs = {r.data.tags["cpuforge.stage"]: r for r in client.search_runs(
         [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{second['mlflow_run_id']}'")}
-    assert set(cached_runs) == {"tokenize", "pretrain"}
+    assert set(cached_runs) == set(stages)
     assert cached_runs["tokenize"].data.tags["cpuforge.cached"] == "true"
     assert cached_runs["tokenize"].data.tags["cpuforge.source_run_id"] == tok["mlflow_run_id"]
     assert cached_runs["pretrain"].data.tags["cpuforge.source_run_id"] == pre["mlflow_run_id"]
 
     # A later stage's settings leave earlier stages cached; a stage's own settings re-run it and what follows.
+    code, later = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}", "--set", "prune.keep_ratio=0.6")
+    assert code == 0 and [later["stages"][n]["status"] for n in stages] == ["cached", "cached", "completed", "completed"]
     code, later = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}", "--set", "model.n_layer=3")
     assert code == 0 and later["stages"]["tokenize"]["status"] == "cached"
     assert later["stages"]["pretrain"]["status"] == "completed"
@@ -153,7 +163,7 @@ def test_console_script_on_the_embedded_corpus(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["stages"]["tokenize"]["status"] == "completed"
-    assert summary["stages"]["pretrain"]["status"] == "completed"
+    assert [v["status"] for v in summary["stages"].values()] == ["completed"] * 4
     assert (tmp_path / "cpuforge-runs" / "mlflow.db").is_file()
     assert "tokenize" in proc.stdout and "mlflow ui --backend-store-uri" in proc.stdout
     bad = subprocess.run([str(exe), "run", "--set", "data.source=/no/such/dir"], cwd=tmp_path, env=env,

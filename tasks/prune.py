@@ -1,0 +1,171 @@
+"""Stage 3, prune: the pretrained model -> a physically smaller one (Minitron-style).
+
+Importance comes from activations on calibration batches of the train split. The target is
+either explicit dimensions (prune.n_layer, n_head, n_kv_head, d_model, d_mlp) or a fraction
+of parameters to keep (prune.keep_ratio) split by prune.strategy:
+- width: keep every layer and head; shrink the embedding and MLP widths by one common factor
+  (Minitron found width pruning beats depth pruning at the same size);
+- depth: drop the layers that change their input least, keep all widths;
+- width_then_depth: drop layers down to sqrt(keep_ratio) of the depth, then shrink widths.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.states import State
+
+from models.checkpoint import load_model, save_model
+from models.config import LlamaConfig, ModelConfigError
+from models.importance import Importance, activation_importance
+from models.llama import config_param_count, param_count
+from models.prune import check_target, choose_keep, prune
+from models.fileio import atomic_write_json
+from tasks.config import Config, PruneConfig
+from tasks.data import BatchSampler, open_shards, token_byte_lengths, val_batches
+from tasks.errors import ConfigError
+from tasks.publish import finish_stage
+from tasks.stage import StageContext, StageOutput, StageSpec, run_stage
+from tasks.store import StageRecord
+from tasks.trainer import evaluate
+
+log = logging.getLogger("cpuforge.prune")
+
+SPEC = StageSpec(name="prune", version="1", sections=("prune",))
+WIDTH_MULTIPLE = 8  # widths stay multiples of 8: friendlier to vectorized kernels
+
+
+def _round_width(value: float, limit: int) -> int:
+    return int(min(limit, max(WIDTH_MULTIPLE, WIDTH_MULTIPLE * round(value / WIDTH_MULTIPLE))))
+
+
+def _shrink_width(cfg: LlamaConfig, budget: int) -> LlamaConfig:
+    """The largest common width factor whose model fits the parameter budget (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        candidate = replace(cfg, d_model=_round_width(cfg.d_model * mid, cfg.d_model),
+                            d_mlp=_round_width(cfg.d_mlp * mid, cfg.d_mlp), head_dim_override=cfg.head_dim)
+        lo, hi = (mid, hi) if config_param_count(candidate) <= budget else (lo, mid)
+    best = replace(cfg, d_model=_round_width(cfg.d_model * lo, cfg.d_model),
+                   d_mlp=_round_width(cfg.d_mlp * lo, cfg.d_mlp), head_dim_override=cfg.head_dim)
+    if config_param_count(best) > budget:
+        raise ConfigError(
+            f"prune: no width fits {budget:,} parameters (the embedding alone needs "
+            f"{cfg.vocab_size * WIDTH_MULTIPLE:,} at the narrowest width); raise prune.keep_ratio"
+        )
+    return best
+
+
+def target_config(cfg: LlamaConfig, p: PruneConfig) -> LlamaConfig:
+    """The pruned shape: explicit dimensions where given, else what keep_ratio and strategy imply."""
+    explicit = {k: getattr(p, k) for k in ("n_layer", "n_head", "n_kv_head", "d_model", "d_mlp") if getattr(p, k)}
+    if explicit:
+        if "n_kv_head" in explicit and "n_head" not in explicit:
+            explicit["n_head"] = explicit["n_kv_head"] * (cfg.n_head // cfg.n_kv_head)
+        try:
+            target = replace(cfg, head_dim_override=cfg.head_dim, **explicit)
+            check_target(cfg, target)
+        except ModelConfigError as exc:
+            raise ConfigError(f"prune: {exc}") from None
+        return target
+    budget = int(p.keep_ratio * config_param_count(cfg))
+    if p.strategy == "width":
+        return _shrink_width(cfg, budget)
+    if p.strategy == "depth":
+        per_layer = (config_param_count(cfg) - config_param_count(replace(cfg, n_layer=1))) / max(1, cfg.n_layer - 1)
+        fixed = config_param_count(cfg) - per_layer * cfg.n_layer
+        layers = int((budget - fixed) // per_layer)
+        if layers < 1:
+            raise ConfigError(f"prune: dropping layers cannot reach keep_ratio={p.keep_ratio}: the embedding alone "
+                              f"is {fixed / config_param_count(cfg):.0%} of the model; use strategy=width")
+        return replace(cfg, n_layer=min(cfg.n_layer, layers), head_dim_override=cfg.head_dim)
+    layers = max(1, math.ceil(cfg.n_layer * math.sqrt(p.keep_ratio)))
+    return _shrink_width(replace(cfg, n_layer=layers, head_dim_override=cfg.head_dim), budget)
+
+
+def calibration_batches(train, cfg: Config, seed_offset: int = 10_007) -> list[torch.Tensor]:
+    """Train-split windows for importance, drawn apart from the training stream's seeds."""
+    sampler = BatchSampler(train, cfg.train.batch_size, cfg.model.block_size, cfg.train.seed + seed_offset)
+    return [sampler.batch(i)[0] for i in range(cfg.prune.calib_batches)]
+
+
+def prune_stage(cfg: Config, tokenized: StageRecord, pretrained: StageRecord, out_dir: Path) -> StageOutput:
+    started = time.perf_counter()
+    teacher = load_model(pretrained.path("model"))
+    target = target_config(teacher.cfg, cfg.prune)
+    shards = open_shards(Path(tokenized.output_dir), teacher.cfg.block_size)
+    lengths = token_byte_lengths(shards.tokenizer_path)
+    val = val_batches(shards.val, cfg.train.eval_batches, cfg.train.batch_size, teacher.cfg.block_size)
+    _, bpb_before = evaluate(teacher, val, lengths)
+
+    imp = activation_importance(teacher, calibration_batches(shards.train, cfg))
+    keep = choose_keep(teacher.cfg, imp, target)
+    student = prune(teacher, keep)
+    _, bpb_after = evaluate(student, val, lengths)
+
+    save_model(student, out_dir / "model")
+    shutil.copy(pretrained.path("tokenizer"), out_dir / "model" / "tokenizer.json")
+    choices = {
+        "strategy": "explicit" if any(getattr(cfg.prune, k) for k in ("n_layer", "n_head", "n_kv_head", "d_model", "d_mlp"))
+        else cfg.prune.strategy,
+        "before": {k: getattr(teacher.cfg, k) for k in ("n_layer", "n_head", "n_kv_head", "d_model", "d_mlp")},
+        "after": {k: getattr(student.cfg, k) for k in ("n_layer", "n_head", "n_kv_head", "d_model", "d_mlp")},
+        "kept_layers": keep.layers, "kept_kv_heads": keep.kv_heads, "kept_query_heads": keep.q_per_group,
+        "layer_cosine": [round(float(c), 4) for c in imp.layer_cosine],
+    }
+    atomic_write_json(out_dir / "choices.json", choices)
+    plot_importance(imp, keep, out_dir / "importance.png")
+    params_before, params_after = param_count(teacher), param_count(student)
+    log.info("pruned %s -> %s parameters (%.0f%%): val bpb %.3f -> %.3f",
+             f"{params_before:,}", f"{params_after:,}", 100 * params_after / params_before, bpb_before, bpb_after)
+    return StageOutput(
+        metrics={"params_before": params_before, "params_after": params_after,
+                 "keep_ratio_actual": round(params_after / params_before, 4),
+                 "val_bpb_before": round(bpb_before, 4), "val_bpb_after": round(bpb_after, 4),
+                 **{f"{k}_after": v for k, v in choices["after"].items()},
+                 "seconds": round(time.perf_counter() - started, 2)},
+        files={"model": "model", "tokenizer": "model/tokenizer.json", "choices": "choices.json",
+               "importance": "importance.png"},
+        artifacts=["choices.json", "importance.png"],
+        info={"choices": choices["after"], "model_config": student.cfg.to_dict()},
+    )
+
+
+def plot_importance(imp: Importance, keep, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.2), dpi=100)
+    axes[0].imshow(imp.heads.numpy(), aspect="auto", cmap="viridis")
+    axes[0].set(title="head importance", xlabel="head", ylabel="layer")
+    for i, layer_scores in enumerate(imp.mlp):
+        axes[1].plot(sorted(layer_scores.tolist(), reverse=True), lw=1, label=f"layer {i}")
+    axes[1].axvline(len(next(iter(keep.mlp.values()))), color="k", ls="--", lw=1)
+    axes[1].set(title="MLP channels (sorted)", xlabel="rank")
+    axes[2].plot(sorted(imp.embed.tolist(), reverse=True))
+    axes[2].axvline(len(keep.embed), color="k", ls="--", lw=1)
+    axes[2].set(title="embedding channels (sorted)", xlabel="rank")
+    axes[3].bar(range(len(imp.layer_cosine)), imp.layer_cosine.tolist(),
+                color=["C0" if i in keep.layers else "C3" for i in range(len(imp.layer_cosine))])
+    axes[3].set(title="layer in/out cosine (red: dropped)", xlabel="layer")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+@task(name="prune", cache_policy=NO_CACHE)
+def prune_task(ctx: StageContext, tokenize: StageRecord, pretrain: StageRecord) -> State:
+    record = run_stage(SPEC, ctx, lambda out_dir, _run_id: prune_stage(ctx.cfg, tokenize, pretrain, out_dir),
+                       inputs={"tokenize": tokenize, "pretrain": pretrain})
+    return finish_stage(record, ctx)

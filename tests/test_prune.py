@@ -1,0 +1,114 @@
+"""Structured pruning and distillation: surgery, targets, importance vs random, bad input."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.checkpoint import load_model, save_model
+from models.config import LlamaConfig
+from models.importance import activation_importance
+from models.llama import Llama, config_param_count, param_count
+from models.prune import Keep, choose_keep, keep_all, prune
+from tasks.config import load_config
+from tasks.data import open_shards, token_byte_lengths, val_batches
+from tasks.errors import ConfigError, UserError
+from tasks.prune import calibration_batches, target_config
+from tasks.recover import recover
+from tasks.stage import StageContext
+from tasks.store import StageRecord
+from tasks.trainer import evaluate, train
+from tests.test_pretrain import shards, spec_for  # noqa: F401 (fixture)
+
+CFG = LlamaConfig(vocab_size=101, n_layer=4, n_head=6, n_kv_head=2, d_model=48, d_mlp=128, block_size=32)
+
+
+def test_pruning_nothing_gives_identical_logits():
+    torch.manual_seed(0)
+    model = Llama(CFG).eval()
+    x = torch.randint(0, 101, (2, 20))
+    assert torch.equal(prune(model, keep_all(CFG)).eval()(x)[0], model(x)[0])
+
+
+def test_surgery_gives_a_smaller_valid_model_that_reloads(tmp_path):
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    keep = Keep(layers=[0, 3], kv_heads={0: [1], 3: [0]}, q_per_group={0: [[0, 2]], 3: [[1, 2]]},
+                mlp={0: list(range(64)), 3: list(range(64, 128))}, embed=list(range(0, 48, 2)))
+    small = prune(model, keep)
+    assert small.cfg == replace(CFG, n_layer=2, n_head=2, n_kv_head=1, d_model=24, d_mlp=64, head_dim_override=8)
+    assert param_count(small) == config_param_count(small.cfg) < param_count(model) / 3
+    save_model(small, tmp_path / "m")
+    x = torch.randint(0, 101, (1, 10))
+    assert torch.equal(load_model(tmp_path / "m").eval()(x)[0], small.eval()(x)[0])
+
+
+def test_non_uniform_keeps_are_refused():
+    keep = keep_all(CFG)
+    keep.mlp[2] = keep.mlp[2][:10]
+    with pytest.raises(ValueError, match="layer 2 keeps a different number"):
+        prune(Llama(CFG), keep)
+
+
+@pytest.mark.parametrize("strategy", ["width", "depth", "width_then_depth"])
+def test_keep_ratio_halves_the_parameters(strategy):
+    cfg = replace(CFG, vocab_size=64)
+    target = target_config(cfg, load_config("tiny", overrides=[f"prune.strategy={strategy}"]).prune)
+    ratio = config_param_count(target) / config_param_count(cfg)
+    one_layer = (config_param_count(cfg) - config_param_count(replace(cfg, n_layer=cfg.n_layer - 1))) / config_param_count(cfg)
+    assert 0.5 - (one_layer if strategy == "depth" else 0.15) < ratio <= 0.5  # depth moves in whole layers
+    assert target.n_head % target.n_kv_head == 0 and target.head_dim == cfg.head_dim
+    if strategy == "width":
+        assert target.n_layer == cfg.n_layer and target.d_model < cfg.d_model
+    if strategy == "depth":
+        assert target.n_layer < cfg.n_layer and target.d_model == cfg.d_model
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["prune.n_head=5"], "n_kv_head=2 does not divide n_head=5"),
+    (["prune.n_head=8", "prune.n_kv_head=1"], "needs 8 query heads per KV head; the model has 3"),
+    (["prune.d_mlp=4096"], "d_mlp=4096 is more than the model's 128"),
+    (["prune.keep_ratio=0.01"], "no width fits"),
+    (["prune.keep_ratio=0.2", "prune.strategy=depth"], "dropping layers cannot reach keep_ratio=0.2"),
+])
+def test_impossible_targets_are_rejected_clearly(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        target_config(CFG, load_config("tiny", overrides=overrides).prune)
+
+
+def test_importance_beats_random_pruning_on_val_loss(shards, tmp_path):  # noqa: F811
+    cfg = load_config("tiny", overrides=["train.max_minutes=null", "train.max_steps=80"])
+    s = open_shards(shards, 64)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=s.vocab_size, **cfg.model.model_dump()))
+    lengths = token_byte_lengths(s.tokenizer_path)
+    val = val_batches(s.val, 4, 8, 64)
+    from tasks.pretrain import settings
+
+    train(model, s.train, val, lengths, settings(cfg, torch.float32, 0.0), tmp_path / "checkpoints")
+    target = replace(model.cfg, d_mlp=88, d_model=48, head_dim_override=model.cfg.head_dim)
+    imp = activation_importance(model, calibration_batches(s.train, cfg))
+    smart_loss, _ = evaluate(prune(model, choose_keep(model.cfg, imp, target)), val, lengths)
+    random_losses = []
+    for seed in range(3):
+        rng = random.Random(seed)
+        keep = keep_all(model.cfg)
+        keep.mlp = {i: sorted(rng.sample(range(176), 88)) for i in keep.layers}
+        keep.embed = sorted(rng.sample(range(64), 48))
+        random_losses.append(evaluate(prune(model, keep), val, lengths)[0])
+    assert smart_loss < min(random_losses)
+
+
+def test_teacher_and_student_with_different_vocabularies_are_refused(tmp_path, shards):  # noqa: F811
+    records = {}
+    for name, vocab in (("teacher", 300), ("student", 200)):
+        save_model(Llama(replace(CFG, vocab_size=vocab)), tmp_path / name / "model")
+        records[name] = StageRecord(stage=name, key=name, output_dir=str(tmp_path / name), files={"model": "model"})
+    tok = StageRecord(stage="tokenize", key="t", output_dir=str(shards))
+    with pytest.raises(UserError, match="vocabularies differ \\(300 vs 200\\)"):
+        recover(load_config("tiny"), tok, records["teacher"], records["student"], tmp_path / "out", "run",
+                StageContext(load_config("tiny"), tmp_path))
