@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tasks.config import load_config
 from tasks.hardware import available_cores
-from tasks.pretrain import launch_torchrun
+from tasks.training_run import launch_torchrun
 from tasks.tokenize import tokenize
 
 WARMUP_STEPS = 5
@@ -53,14 +53,14 @@ def main() -> None:
             cfg = load_config(args.profile, overrides=overrides)
             out = root / name.replace(" ", "_")
             out.mkdir()
-            spec = {"config": cfg.model_dump(mode="json"), "tokenize_dir": str(root / "tok"), "out_dir": str(out),
+            spec = {"kind": "pretrain", "config": cfg.model_dump(mode="json"), "tokenize_dir": str(root / "tok"), "out_dir": str(out),
                     "threads": cfg.train.threads, "dtype": "float32", "peak_flops": 0.0, "tracking_uri": "",
                     "run_id": None}
             (out / "launch.json").write_text(json.dumps(spec))
             if world > 1:
                 launch_torchrun(cfg, out / "launch.json", "bench")
             else:
-                code = "import json,sys; from tasks.pretrain import run_training; run_training(json.load(open(sys.argv[1])))"
+                code = "import json,sys; from tasks.training_run import run_training; run_training(json.load(open(sys.argv[1])))"
                 subprocess.run([sys.executable, "-c", code, str(out / "launch.json")], check=True)
             rates[name] = median_rate(out)
     for name, rate in rates.items():

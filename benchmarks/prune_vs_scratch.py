@@ -23,7 +23,7 @@ from models.llama import Llama, flops_per_token, param_count
 from tasks.config import load_config
 from tasks.data import open_shards, token_byte_lengths, val_batches
 from tasks.hardware import available_cores
-from tasks.pretrain import settings
+from tasks.training_run import settings
 from tasks.trainer import evaluate, train
 
 

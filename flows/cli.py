@@ -95,7 +95,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _check_prune_target(cfg) -> None:
     """Reject an impossible pruning target now, estimating the vocabulary by tokenizer.vocab_size."""
-    from tasks.pretrain import model_config
+    from tasks.training_run import model_config
     from tasks.prune import target_config
 
     target_config(model_config(cfg, cfg.tokenizer.vocab_size), cfg.prune)

@@ -28,11 +28,12 @@ from models.config import LlamaConfig, ModelConfigError
 from models.importance import Importance, activation_importance
 from models.llama import config_param_count, param_count
 from models.prune import check_target, choose_keep, prune
-from models.fileio import atomic_write_json
+from models.fileio import atomic_write_json, atomic_write_text
 from tasks.config import Config, PruneConfig
 from tasks.data import BatchSampler, open_shards, token_byte_lengths, val_batches
 from tasks.errors import ConfigError
 from tasks.publish import finish_stage
+from tasks.reports import samples_from_folder
 from tasks.stage import StageContext, StageOutput, StageSpec, run_stage
 from tasks.store import StageRecord
 from tasks.trainer import evaluate
@@ -123,6 +124,7 @@ def prune_stage(cfg: Config, tokenized: StageRecord, pretrained: StageRecord, ou
         "layer_cosine": [round(float(c), 4) for c in imp.layer_cosine],
     }
     atomic_write_json(out_dir / "choices.json", choices)
+    atomic_write_text(out_dir / "samples.txt", samples_from_folder(out_dir / "model", cfg, shards.eod_id))
     plot_importance(imp, keep, out_dir / "importance.png")
     params_before, params_after = param_count(teacher), param_count(student)
     log.info("pruned %s -> %s parameters (%.0f%%): val bpb %.3f -> %.3f",
@@ -134,8 +136,8 @@ def prune_stage(cfg: Config, tokenized: StageRecord, pretrained: StageRecord, ou
                  **{f"{k}_after": v for k, v in choices["after"].items()},
                  "seconds": round(time.perf_counter() - started, 2)},
         files={"model": "model", "tokenizer": "model/tokenizer.json", "choices": "choices.json",
-               "importance": "importance.png"},
-        artifacts=["choices.json", "importance.png"],
+               "importance": "importance.png", "samples": "samples.txt"},
+        artifacts=["choices.json", "importance.png", "samples.txt"],
         info={"choices": choices["after"], "model_config": student.cfg.to_dict()},
     )
 

@@ -2,17 +2,15 @@
 
 Loss = kd_weight * T^2 * KL(teacher || student) on logits softened by temperature T
      + lm_weight * next-token cross-entropy,
-trained by the same engine as pretraining (budgets, checkpoints, exact resume), by default for
-a small fraction of the pretraining budget.
+trained by the same engine as pretraining (budgets, checkpoints, exact resume, torchrun), by
+default for a small fraction of the pretraining budget.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -21,20 +19,18 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
-from models.checkpoint import load_model, save_model
+from models.checkpoint import read_config
 from models.fileio import atomic_write_text
-from models.llama import Llama, param_count
-from tasks import tracking
+from models.llama import Llama, config_param_count
 from tasks.config import Config
-from tasks.data import open_shards, token_byte_lengths, val_batches
+from tasks.data import open_shards
 from tasks.errors import UserError
 from tasks.hardware import choose_precision, matmul_peak
-from tasks.pretrain import plot_loss_curve, settings, threads_per_process
-from tasks.progress import budget_bar
 from tasks.publish import finish_stage
+from tasks.reports import plot_loss_curve, samples_from_folder
 from tasks.stage import StageContext, StageOutput, StageSpec, run_stage
 from tasks.store import StageRecord
-from tasks.trainer import train
+from tasks.training_run import execute, threads_per_process, world_size
 
 log = logging.getLogger("cpuforge.recover")
 
@@ -61,47 +57,36 @@ def distillation_loss(teacher: Llama, temperature: float, kd_weight: float, lm_w
 def recover(cfg: Config, tokenized: StageRecord, pretrained: StageRecord, pruned: StageRecord,
             out_dir: Path, run_id: str, ctx: StageContext) -> StageOutput:
     started = time.perf_counter()
-    teacher = load_model(pretrained.path("model"))
-    student = load_model(pruned.path("model"))
-    if teacher.cfg.vocab_size != student.cfg.vocab_size:
-        raise UserError(f"teacher and student vocabularies differ ({teacher.cfg.vocab_size} vs "
-                        f"{student.cfg.vocab_size}): distillation compares their logits token by token")
-    if cfg.train.nproc_per_node * cfg.train.nnodes > 1:
-        log.warning("recover runs in one process; train.nproc_per_node/nnodes apply to pretraining only")
+    teacher_cfg, student_cfg = read_config(pretrained.path("model")), read_config(pruned.path("model"))
+    if teacher_cfg.vocab_size != student_cfg.vocab_size:
+        raise UserError(f"teacher and student vocabularies differ ({teacher_cfg.vocab_size} vs "
+                        f"{student_cfg.vocab_size}): distillation compares their logits token by token")
+    shards = open_shards(Path(tokenized.output_dir), student_cfg.block_size)
     threads = threads_per_process(cfg)
-    torch.set_num_threads(threads)
-    shards = open_shards(Path(tokenized.output_dir), student.cfg.block_size)
-    lengths = token_byte_lengths(shards.tokenizer_path)
-    val = val_batches(shards.val, cfg.train.eval_batches, cfg.train.batch_size, student.cfg.block_size)
-    r = cfg.recover
-    s = replace(settings(cfg, choose_precision(cfg.train.precision), matmul_peak(threads, ctx.cache_dir)),
-                lr=r.lr, min_lr=r.lr / 10, warmup_steps=min(cfg.train.warmup_steps, 10),
-                max_tokens=r.max_tokens, max_steps=r.max_steps, max_minutes=r.max_minutes,
-                seed=cfg.train.seed + 1)  # a data stream of its own, not a replay of pretraining's first steps
-    logger = tracking.MetricLogger(ctx.tracking_uri, run_id)
-    with budget_bar("recover") as update:
-        result = train(student, shards.train, val, lengths, s, out_dir / "checkpoints",
-                       loss_fn=distillation_loss(teacher, r.temperature, r.kd_weight, r.lm_weight),
-                       log_metrics=logger, on_progress=update)
-    logger.flush()
-    save_model(student, out_dir / "model")
-    shutil.copy(pruned.path("tokenizer"), out_dir / "model" / "tokenizer.json")
-    atomic_write_text(out_dir / "history.jsonl", "".join(json.dumps(h) + "\n" for h in result.history))
-    plot_loss_curve(result.history, out_dir / "loss_curve.png")
+    spec = {
+        "kind": "recover", "config": cfg.model_dump(mode="json"), "tokenize_dir": tokenized.output_dir,
+        "out_dir": str(out_dir), "student_dir": str(pruned.path("model")), "teacher_dir": str(pretrained.path("model")),
+        "threads": threads, "dtype": str(choose_precision(cfg.train.precision)).removeprefix("torch."),
+        "peak_flops": matmul_peak(threads, ctx.cache_dir), "tracking_uri": ctx.tracking_uri, "run_id": run_id,
+    }
+    result = execute(spec, cfg, pruned.key)
+    atomic_write_text(out_dir / "samples.txt", samples_from_folder(out_dir / "model", cfg, shards.eod_id))
+    history = [json.loads(line) for line in (out_dir / "history.jsonl").read_text().splitlines()]
+    plot_loss_curve(history, out_dir / "loss_curve.png")
     pretrain_tokens = pretrained.metrics.get("tokens", 0)
     log.info("recovered on %s tokens (%.0f%% of pretraining): val bpb %.3f (right after pruning %.3f)",
-             f"{result.tokens:,}", 100 * result.tokens / max(1, pretrain_tokens), result.val_bpb,
+             f"{result['tokens']:,}", 100 * result["tokens"] / max(1, pretrain_tokens), result["val_bpb"],
              pruned.metrics.get("val_bpb_after", float("nan")))
     return StageOutput(
-        metrics={"tokens": result.tokens, "steps": result.steps, "val_loss": round(result.val_loss, 4),
-                 "val_bpb": round(result.val_bpb, 4), "params": param_count(student),
-                 "tokens_vs_pretrain": round(result.tokens / max(1, pretrain_tokens), 4),
-                 "tokens_per_s": round(result.tokens_per_s, 1), "peak_rss_mb": round(result.peak_rss_mb, 1),
-                 "seconds": round(time.perf_counter() - started, 2)},
+        metrics={"tokens": result["tokens"], "steps": result["steps"], "val_loss": round(result["val_loss"], 4),
+                 "val_bpb": round(result["val_bpb"], 4), "params": config_param_count(student_cfg),
+                 "tokens_vs_pretrain": round(result["tokens"] / max(1, pretrain_tokens), 4),
+                 "tokens_per_s": round(result["tokens_per_s"], 1), "peak_rss_mb": round(result["peak_rss_mb"], 1),
+                 "seconds": round(time.perf_counter() - started, 2), "world_size": world_size(cfg)},
         files={"model": "model", "tokenizer": "model/tokenizer.json", "checkpoints": "checkpoints",
-               "loss_curve": "loss_curve.png", "history": "history.jsonl"},
-        artifacts=["model", "loss_curve.png"],
-        info={"resumed_from_step": result.resumed_from},
+               "loss_curve": "loss_curve.png", "history": "history.jsonl", "samples": "samples.txt"},
+        artifacts=["model", "loss_curve.png", "samples.txt"],
+        info={"resumed_from_step": result.get("resumed_from")},
     )
 
 

@@ -21,7 +21,8 @@ from models.llama import Llama
 from tasks.config import load_config
 from tasks.data import open_shards, token_byte_lengths, unigram_bpb
 from tasks.errors import DataError, UserError
-from tasks.pretrain import _check_resumable, launch_torchrun, run_training
+from tasks.pretrain import _check_resumable
+from tasks.training_run import launch_torchrun, run_training
 from tasks.tokenize import tokenize
 from tests.conftest import make_text
 
@@ -44,7 +45,7 @@ def shards(tmp_path_factory) -> Path:
 def spec_for(shards: Path, out_dir: Path, *overrides: str, threads: int = 1) -> dict:
     cfg = load_config("tiny", overrides=["train.max_minutes=null", *overrides])
     out_dir.mkdir(parents=True, exist_ok=True)
-    return {"config": cfg.model_dump(mode="json"), "tokenize_dir": str(shards), "out_dir": str(out_dir),
+    return {"kind": "pretrain", "config": cfg.model_dump(mode="json"), "tokenize_dir": str(shards), "out_dir": str(out_dir),
             "threads": threads, "dtype": "float32", "peak_flops": 1e12, "tracking_uri": "", "run_id": None}
 
 
@@ -66,7 +67,7 @@ def test_training_learns_and_reports(shards, tmp_path):
 
 def _train_in_subprocess(spec: dict, spec_path: Path) -> subprocess.Popen:
     spec_path.write_text(json.dumps(spec))
-    code = "import json, sys; from tasks.pretrain import run_training; run_training(json.load(open(sys.argv[1])))"
+    code = "import json, sys; from tasks.training_run import run_training; run_training(json.load(open(sys.argv[1])))"
     return subprocess.Popen([sys.executable, "-c", code, str(spec_path)], cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 

@@ -87,7 +87,7 @@ def test_importance_beats_random_pruning_on_val_loss(shards, tmp_path):  # noqa:
     model = Llama(LlamaConfig(vocab_size=s.vocab_size, **cfg.model.model_dump()))
     lengths = token_byte_lengths(s.tokenizer_path)
     val = val_batches(s.val, 4, 8, 64)
-    from tasks.pretrain import settings
+    from tasks.training_run import settings
 
     train(model, s.train, val, lengths, settings(cfg, torch.float32, 0.0), tmp_path / "checkpoints")
     target = replace(model.cfg, d_mlp=88, d_model=48, head_dim_override=model.cfg.head_dim)
@@ -112,3 +112,32 @@ def test_teacher_and_student_with_different_vocabularies_are_refused(tmp_path, s
     with pytest.raises(UserError, match="vocabularies differ \\(300 vs 200\\)"):
         recover(load_config("tiny"), tok, records["teacher"], records["student"], tmp_path / "out", "run",
                 StageContext(load_config("tiny"), tmp_path))
+
+
+def test_distillation_runs_under_torchrun_with_two_processes(shards, tmp_path):  # noqa: F811
+    """Recovery uses the same engine as pretraining, DDP included: student learns from the teacher."""
+    import json
+
+    from tasks.training_run import launch_torchrun
+
+    s = open_shards(shards, 64)
+    cfg = load_config("tiny", overrides=["recover.max_minutes=null", "recover.max_steps=8", "train.eval_interval=4",
+                                         "train.checkpoint_every_steps=4", "train.nproc_per_node=2", "train.threads=1"])
+    torch.manual_seed(0)
+    teacher = Llama(LlamaConfig(vocab_size=s.vocab_size, **cfg.model.model_dump()))
+    save_model(teacher, tmp_path / "teacher")
+    save_model(prune(teacher, choose_keep(teacher.cfg, activation_importance(teacher, calibration_batches(s.train, cfg)),
+                                          replace(teacher.cfg, d_mlp=88, head_dim_override=teacher.cfg.head_dim))),
+               tmp_path / "student")
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = {"kind": "recover", "config": cfg.model_dump(mode="json"), "tokenize_dir": str(shards), "out_dir": str(out),
+            "student_dir": str(tmp_path / "student"), "teacher_dir": str(tmp_path / "teacher"), "threads": 1,
+            "dtype": "float32", "peak_flops": 1e12, "tracking_uri": "", "run_id": None}
+    (out / "launch.json").write_text(json.dumps(spec))
+    launch_torchrun(cfg, out / "launch.json", "recover-test")
+    result = json.loads((out / "result.json").read_text())
+    assert result["steps"] == 8 and result["tokens"] == 8 * 8 * 64 * 2
+    history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
+    assert {"kd_loss", "lm_loss"} <= set(history[0])
+    assert load_model(out / "model").cfg.d_mlp == 88

@@ -1,0 +1,153 @@
+"""Running the training engine for a stage, in this process or under torchrun (DDP over gloo).
+
+A stage writes a JSON spec (paths, config, MLflow run) and calls ``execute``. With
+``train.nproc_per_node * train.nnodes > 1`` that launches ``tasks.distributed`` under torchrun,
+and every process calls ``run_training(spec)``; otherwise this process does. ``spec["kind"]``
+says what is trained: ``pretrain`` (a fresh model, LM loss) or ``recover`` (the pruned
+student distilled from the teacher). Rank 0 logs, checkpoints and writes the outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from models.checkpoint import load_model, save_model
+from models.config import LlamaConfig, ModelConfigError
+from models.fileio import atomic_write_json, atomic_write_text
+from models.llama import Llama
+from tasks import tracking
+from tasks.config import Config
+from tasks.data import open_shards, token_byte_lengths, val_batches
+from tasks.errors import ConfigError
+from tasks.hardware import available_cores
+from tasks.progress import budget_bar
+from tasks.trainer import TrainSettings, lm_loss, train
+
+log = logging.getLogger("cpuforge.training")
+
+
+def model_config(cfg: Config, vocab_size: int) -> LlamaConfig:
+    try:
+        return LlamaConfig(vocab_size=vocab_size, **cfg.model.model_dump())
+    except ModelConfigError as exc:
+        raise ConfigError(f"model: {exc}") from None
+
+
+def threads_per_process(cfg: Config) -> int:
+    return cfg.train.threads or max(1, available_cores() // cfg.train.nproc_per_node)
+
+
+def settings(cfg: Config, dtype: torch.dtype, peak_flops: float) -> TrainSettings:
+    t = cfg.train
+    return TrainSettings(
+        batch_size=t.batch_size, grad_accum=t.grad_accum, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
+        weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip, max_tokens=t.max_tokens,
+        max_steps=t.max_steps, max_minutes=t.max_minutes, eval_interval=t.eval_interval,
+        checkpoint_every_steps=t.checkpoint_every_steps, checkpoint_every_minutes=t.checkpoint_every_minutes,
+        seed=t.seed, dtype=dtype, peak_flops=peak_flops,
+    )
+
+
+def recover_settings(cfg: Config, dtype: torch.dtype, peak_flops: float) -> TrainSettings:
+    """Pretraining's engine settings with recovery's budget and learning rate."""
+    r = cfg.recover
+    return replace(settings(cfg, dtype, peak_flops), lr=r.lr, min_lr=r.lr / 10,
+                   warmup_steps=min(cfg.train.warmup_steps, 10), max_tokens=r.max_tokens, max_steps=r.max_steps,
+                   max_minutes=r.max_minutes,
+                   seed=cfg.train.seed + 1)  # a data stream of its own, not a replay of pretraining's first steps
+
+
+def world_size(cfg: Config) -> int:
+    return cfg.train.nproc_per_node * cfg.train.nnodes
+
+
+def execute(spec: dict[str, Any], cfg: Config, key: str) -> dict[str, Any]:
+    """Train as the spec says, here or under torchrun; returns rank 0's result summary."""
+    out_dir = Path(spec["out_dir"])
+    if world_size(cfg) > 1:
+        spec_path = out_dir / "launch.json"
+        atomic_write_json(spec_path, spec)
+        launch_torchrun(cfg, spec_path, key)
+        return json.loads((out_dir / "result.json").read_text())
+    return run_training(spec)
+
+
+def _build(spec: dict[str, Any], cfg: Config, vocab_size: int):
+    """(model to train, loss function, settings) for the spec's kind."""
+    dtype = getattr(torch, spec["dtype"])
+    if spec["kind"] == "recover":
+        from tasks.recover import distillation_loss
+
+        student, teacher = load_model(Path(spec["student_dir"])), load_model(Path(spec["teacher_dir"]))
+        r = cfg.recover
+        return student, distillation_loss(teacher, r.temperature, r.kd_weight, r.lm_weight), \
+            recover_settings(cfg, dtype, spec["peak_flops"])
+    return Llama(model_config(cfg, vocab_size)), lm_loss, settings(cfg, dtype, spec["peak_flops"])
+
+
+def run_training(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build the model and train it. Runs in this process, or in each torchrun worker."""
+    import torch.distributed as dist
+
+    cfg = Config.model_validate(spec["config"])
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.set_num_threads(spec["threads"])
+    torch.manual_seed(cfg.train.seed)
+    shards = open_shards(Path(spec["tokenize_dir"]), cfg.model.block_size)
+    model, loss_fn, train_settings = _build(spec, cfg, shards.vocab_size)
+    block = model.cfg.block_size
+    model.activation_checkpointing = cfg.train.activation_checkpointing
+    if cfg.train.compile:
+        model.forward = torch.compile(model.forward)  # type: ignore[method-assign]
+    out_dir = Path(spec["out_dir"])
+    byte_lengths = token_byte_lengths(shards.tokenizer_path)
+    val = val_batches(shards.val, cfg.train.eval_batches, cfg.train.batch_size, block)
+    logger = tracking.MetricLogger(spec["tracking_uri"], spec["run_id"]) if rank == 0 and spec.get("run_id") else None
+
+    with budget_bar(spec["kind"]) if rank == 0 else _null_bar() as update:
+        result = train(model, shards.train, val, byte_lengths, train_settings, out_dir / "checkpoints",
+                       loss_fn=loss_fn, log_metrics=logger, on_progress=update)
+    if logger:
+        logger.flush()
+    if rank == 0:
+        save_model(model, out_dir / "model", extra={"dtype": spec["dtype"]})
+        shutil.copy(shards.tokenizer_path, out_dir / "model" / "tokenizer.json")
+        atomic_write_text(out_dir / "history.jsonl", "".join(json.dumps(h) + "\n" for h in result.history))
+        summary = {k: v for k, v in asdict(result).items() if k != "history"}
+        atomic_write_json(out_dir / "result.json", summary)
+        return summary
+    return {}
+
+
+class _null_bar:
+    def __enter__(self):
+        return lambda fraction, status: None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def launch_torchrun(cfg: Config, spec_path: Path, key: str) -> None:
+    """Run tasks.distributed under torchrun; every process trains, rank 0 writes the outputs."""
+    t = cfg.train
+    rendezvous = ["--standalone"] if t.nnodes == 1 else [
+        f"--nnodes={t.nnodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint={t.rdzv_endpoint}", f"--rdzv_id={key[:16]}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc_per_node={t.nproc_per_node}",
+           "-m", "tasks.distributed", str(spec_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_process(cfg))}
+    log.info("launching: %s", " ".join(cmd))
+    proc = subprocess.run(cmd, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun exited with code {proc.returncode} (its workers' logs are above)")
+
+
