@@ -5,6 +5,7 @@
 
 Compute is counted in training FLOPs: the teacher's pretraining (tokens x its FLOPs/token) plus
 recovery (tokens x (student FLOPs/token + a teacher forward, 1/3 of its training FLOPs/token)).
+With --sunk-teacher only the recovery counts (the teacher exists already, as in Minitron).
 The scratch model gets the same FLOPs as a token budget, the same data, schedule shape and
 seed, and both are scored on the same val batches. Goal: prune + distill wins.
 """
@@ -31,6 +32,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("summary", help="summary JSON of a cpuforge run that went through recover")
     parser.add_argument("--workdir", help="where to train the scratch model (default: next to the run)")
+    parser.add_argument("--sunk-teacher", action="store_true",
+                        help="count only the recovery compute (Minitron's setting: the big model already exists)")
     args = parser.parse_args()
 
     summary = json.loads(Path(args.summary).read_text())
@@ -44,17 +47,18 @@ def main() -> None:
 
     f_teacher, f_student = flops_per_token(teacher.cfg), flops_per_token(recovered.cfg)
     pre_tokens, rec_tokens = stages["pretrain"]["metrics"]["tokens"], stages["recover"]["metrics"]["tokens"]
-    flops = pre_tokens * f_teacher + rec_tokens * (f_student + f_teacher / 3)
+    flops = rec_tokens * (f_student + f_teacher / 3) + (0 if args.sunk_teacher else pre_tokens * f_teacher)
     scratch_tokens = int(flops / f_student)
 
     torch.set_num_threads(available_cores())
     torch.manual_seed(cfg.train.seed)
     scratch = Llama(recovered.cfg)
     s = replace(settings(cfg, torch.float32, 0.0), max_minutes=None, max_steps=None, max_tokens=scratch_tokens)
-    workdir = Path(args.workdir or Path(summary["workdir"]) / "bench-scratch")
+    workdir = Path(args.workdir or Path(summary["workdir"]) / ("bench-scratch-sunk" if args.sunk_teacher else "bench-scratch"))
     print(f"student: {param_count(recovered):,} params; teacher: {param_count(teacher):,}")
-    print(f"compute: {flops / 1e12:.2f} TFLOP = teacher pretraining {pre_tokens:,} tokens + recovery "
-          f"{rec_tokens:,} tokens; scratch gets {scratch_tokens:,} tokens")
+    counted = "recovery only (teacher sunk)" if args.sunk_teacher else f"teacher pretraining {pre_tokens:,} tokens + recovery"
+    print(f"compute: {flops / 1e12:.2f} TFLOP = {counted} ({rec_tokens:,} recovery tokens); "
+          f"scratch gets {scratch_tokens:,} tokens")
     result = train(scratch, shards.train, val, lengths, s, workdir / "checkpoints")
     _, bpb_recovered = evaluate(recovered, val, lengths)
     _, bpb_teacher = evaluate(teacher, val, lengths)

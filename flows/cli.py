@@ -23,7 +23,14 @@ PREFECT_DEFAULTS = {
 }
 
 
+def apply_prefect_defaults() -> None:
+    """Must run before anything imports prefect: it reads these settings at import time."""
+    for name, value in PREFECT_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
 def main(argv: list[str] | None = None) -> int:
+    apply_prefect_defaults()
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -75,8 +82,6 @@ def _run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir).expanduser().resolve()
     workdir.mkdir(parents=True, exist_ok=True)
 
-    for name, value in PREFECT_DEFAULTS.items():
-        os.environ.setdefault(name, value)
     _quiet_user_error_tracebacks()
     logging.getLogger("cpuforge").setLevel(logging.INFO)
     from flows.pipeline import pipeline

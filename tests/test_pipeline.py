@@ -171,3 +171,13 @@ def test_console_script_on_the_embedded_corpus(tmp_path):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines() == [
         "error: data.source: no such file or folder: '/no/such/dir' (use a path, a glob, 'stdlib', or 'hf:<dataset id>')"]
+
+
+def test_the_cli_sets_prefect_start_up_defaults_before_prefect_reads_them():
+    """A fresh machine's first run migrates Prefect's database; 20 s (Prefect's default) was too short there."""
+    code = ("import flows.cli as cli; cli.main(['config', '--profile', 'tiny']); "
+            "from prefect.settings import get_current_settings; "
+            "print(get_current_settings().server.ephemeral.startup_timeout_seconds)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_SERVER")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "180", out.stderr[-2000:]
