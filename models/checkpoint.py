@@ -62,12 +62,29 @@ def load_model(folder: Path, expect: LlamaConfig | None = None) -> Llama:
     """Load and verify a model folder; `expect` rejects a checkpoint made for another config."""
     folder = Path(folder)
     cfg = read_config(folder)
-    if expect is not None and cfg != expect:
-        diff = {k: (v, getattr(expect, k)) for k, v in cfg.to_dict().items() if getattr(expect, k) != v}
+    if expect is not None:
+        _check_same_config(folder, cfg, expect)
+    model = Llama(cfg)
+    _load_verified_weights(model, folder)
+    return model
+
+
+def load_weights_into(model: Llama, folder: Path) -> None:
+    """Load a checkpoint's weights into a model of the same config (resume: no second model built)."""
+    _check_same_config(folder, read_config(folder), model.cfg)
+    _load_verified_weights(model, folder)
+
+
+def _check_same_config(folder: Path, found: LlamaConfig, expect: LlamaConfig) -> None:
+    if found != expect:
+        diff = {k: (v, getattr(expect, k)) for k, v in found.to_dict().items() if getattr(expect, k) != v}
         raise CheckpointError(
             f"{folder} was made for another model: "
             + ", ".join(f"{k}={a} (expected {b})" for k, (a, b) in diff.items())
         )
+
+
+def _load_verified_weights(model: Llama, folder: Path) -> None:
     weights = folder / WEIGHTS
     if not weights.is_file():
         raise CheckpointError(f"{folder}: {WEIGHTS} is missing")
@@ -75,9 +92,8 @@ def load_model(folder: Path, expect: LlamaConfig | None = None) -> Llama:
         state = load_file(str(weights))
     except (SafetensorError, OSError, RuntimeError) as exc:
         raise CheckpointError(f"{weights} is truncated or corrupted ({exc})") from None
-    model = Llama(cfg)
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    if cfg.tie_embeddings:
+    if model.cfg.tie_embeddings:
         expected.pop("lm_head.weight")
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -92,7 +108,6 @@ def load_model(folder: Path, expect: LlamaConfig | None = None) -> Llama:
             ]))
         )
     model.load_state_dict(state, strict=False)  # lm_head.weight is tied to tok_emb.weight
-    return model
 
 
 def save_training_checkpoint(root: Path, step: int, model: Llama, optimizer_state: dict[str, Any],

@@ -9,7 +9,6 @@ With ``train.nproc_per_node * train.nnodes > 1`` the same training runs under to
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -18,20 +17,18 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
-from models.checkpoint import CheckpointError
+from models.checkpoint import CheckpointError, latest_valid_checkpoint, read_config
 from models.config import LlamaConfig
-from models.fileio import atomic_write_text
 from models.llama import config_param_count
 from tasks import tracking
 from tasks.config import Config
 from tasks.data import open_shards, token_byte_lengths, unigram_bpb
 from tasks.errors import UserError
-from tasks.hardware import choose_precision, matmul_peak
 from tasks.publish import finish_stage
-from tasks.reports import plot_loss_curve, samples_from_folder
+from tasks.reports import training_reports
 from tasks.stage import StageContext, StageOutput, StageSpec, run_stage
 from tasks.store import StageRecord
-from tasks.training_run import execute, model_config, threads_per_process, world_size
+from tasks.training_run import execute, model_config, training_spec, world_size
 
 log = logging.getLogger("cpuforge.pretrain")
 
@@ -43,22 +40,14 @@ def pretrain(cfg: Config, tokenized: StageRecord, out_dir: Path, run_id: str, ct
     tok_dir = Path(tokenized.output_dir)
     shards = open_shards(tok_dir, cfg.model.block_size)  # fails early on missing/short shards
     model_cfg = model_config(cfg, shards.vocab_size)
-    threads = threads_per_process(cfg)
-    dtype = choose_precision(cfg.train.precision)
-    peak = matmul_peak(threads, ctx.cache_dir)
     world = world_size(cfg)
-    spec = {
-        "kind": "pretrain", "config": cfg.model_dump(mode="json"), "tokenize_dir": str(tok_dir), "out_dir": str(out_dir),
-        "threads": threads, "dtype": str(dtype).removeprefix("torch."), "peak_flops": peak,
-        "tracking_uri": ctx.tracking_uri, "run_id": run_id,
-    }
+    spec = training_spec("pretrain", cfg, tok_dir, out_dir, run_id, ctx)
+    threads, peak = spec["threads"], spec["peak_flops"]
     _check_resumable(out_dir / "checkpoints", model_cfg)
     tracking.log_params(run_id, {"threads": threads, "precision": spec["dtype"], "world_size": world,
                                  "matmul_peak_gflops": round(peak / 1e9, 1)})
     result = execute(spec, cfg, tokenized.key)
-    atomic_write_text(out_dir / "samples.txt", samples_from_folder(out_dir / "model", cfg, shards.eod_id))
-    history = [json.loads(line) for line in (out_dir / "history.jsonl").read_text().splitlines()]
-    plot_loss_curve(history, out_dir / "loss_curve.png")
+    training_reports(out_dir, cfg, shards.eod_id)
     baseline = unigram_bpb(shards.train, shards.val, shards.vocab_size, token_byte_lengths(shards.tokenizer_path))
     metrics = {
         "params": config_param_count(model_cfg), "tokens": result["tokens"], "steps": result["steps"],
@@ -81,8 +70,6 @@ def pretrain(cfg: Config, tokenized: StageRecord, out_dir: Path, run_id: str, ct
 
 def _check_resumable(checkpoints: Path, expected: LlamaConfig) -> None:
     """A leftover checkpoint for another model in this folder would be a bug; say so before training."""
-    from models.checkpoint import latest_valid_checkpoint, read_config
-
     found = latest_valid_checkpoint(checkpoints)
     if found is not None:
         try:

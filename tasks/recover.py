@@ -8,7 +8,6 @@ default for a small fraction of the pretraining budget.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
@@ -20,17 +19,15 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
 from models.checkpoint import read_config
-from models.fileio import atomic_write_text
 from models.llama import Llama, config_param_count
 from tasks.config import Config
 from tasks.data import open_shards
 from tasks.errors import UserError
-from tasks.hardware import choose_precision, matmul_peak
 from tasks.publish import finish_stage
-from tasks.reports import plot_loss_curve, samples_from_folder
+from tasks.reports import training_reports
 from tasks.stage import StageContext, StageOutput, StageSpec, run_stage
 from tasks.store import StageRecord
-from tasks.training_run import execute, threads_per_process, world_size
+from tasks.training_run import execute, training_spec, world_size
 
 log = logging.getLogger("cpuforge.recover")
 
@@ -62,17 +59,10 @@ def recover(cfg: Config, tokenized: StageRecord, pretrained: StageRecord, pruned
         raise UserError(f"teacher and student vocabularies differ ({teacher_cfg.vocab_size} vs "
                         f"{student_cfg.vocab_size}): distillation compares their logits token by token")
     shards = open_shards(Path(tokenized.output_dir), student_cfg.block_size)
-    threads = threads_per_process(cfg)
-    spec = {
-        "kind": "recover", "config": cfg.model_dump(mode="json"), "tokenize_dir": tokenized.output_dir,
-        "out_dir": str(out_dir), "student_dir": str(pruned.path("model")), "teacher_dir": str(pretrained.path("model")),
-        "threads": threads, "dtype": str(choose_precision(cfg.train.precision)).removeprefix("torch."),
-        "peak_flops": matmul_peak(threads, ctx.cache_dir), "tracking_uri": ctx.tracking_uri, "run_id": run_id,
-    }
+    spec = training_spec("recover", cfg, tokenized.output_dir, out_dir, run_id, ctx,
+                         student_dir=pruned.path("model"), teacher_dir=pretrained.path("model"))
     result = execute(spec, cfg, pruned.key)
-    atomic_write_text(out_dir / "samples.txt", samples_from_folder(out_dir / "model", cfg, shards.eod_id))
-    history = [json.loads(line) for line in (out_dir / "history.jsonl").read_text().splitlines()]
-    plot_loss_curve(history, out_dir / "loss_curve.png")
+    training_reports(out_dir, cfg, shards.eod_id)
     pretrain_tokens = pretrained.metrics.get("tokens", 0)
     log.info("recovered on %s tokens (%.0f%% of pretraining): val bpb %.3f (right after pruning %.3f)",
              f"{result['tokens']:,}", 100 * result["tokens"] / max(1, pretrain_tokens), result["val_bpb"],

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer
 
 from models.checkpoint import load_model
+from models.fileio import atomic_write_text
 from models.llama import Llama, generate
 from tasks.config import Config
 
@@ -51,3 +53,10 @@ def samples_from_folder(model_dir: Path, cfg: Config, eod_id: int) -> str:
     """Reload a saved model folder (proving it loads alone) and sample from it."""
     model = load_model(model_dir)
     return write_samples(model, Tokenizer.from_file(str(model_dir / "tokenizer.json")), cfg, eod_id)
+
+
+def training_reports(out_dir: Path, cfg: Config, eod_id: int) -> None:
+    """After a training stage: samples.txt from the saved model/, loss_curve.png from history.jsonl."""
+    atomic_write_text(out_dir / "samples.txt", samples_from_folder(out_dir / "model", cfg, eod_id))
+    history = [json.loads(line) for line in (out_dir / "history.jsonl").read_text().splitlines()]
+    plot_loss_curve(history, out_dir / "loss_curve.png")

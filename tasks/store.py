@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from models.fileio import atomic_write_json, atomic_write_text  # noqa: F401 (re-exported)
+from models.fileio import atomic_write_text
 from tasks.errors import UserError
 
 STAGE_ORDER = ("tokenize", "pretrain", "prune", "recover", "export", "quantize", "evaluate")

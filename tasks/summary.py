@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from tasks.config import Config
-from tasks.store import StageRecord, atomic_write_json, atomic_write_text
+from models.fileio import atomic_write_json, atomic_write_text
+from tasks.store import StageRecord
 
 
 def new_summary(run_id: str, cfg: Config, workdir: Path) -> dict[str, Any]:

@@ -19,13 +19,13 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from models.fileio import atomic_write_json
 from tasks.config import Config, DataConfig, TokenizerConfig
 from tasks.corpus import Corpus, load_corpus, source_fingerprint
 from tasks.errors import DataError
 from tasks.progress import progress_bar
 from tasks.publish import finish_stage
 from tasks.stage import StageContext, StageOutput, StageSpec, run_stage
-from tasks.store import atomic_write_json
 
 log = logging.getLogger("cpuforge.tokenize")
 

@@ -97,12 +97,8 @@ def stage_run(stage: str, parent_run_id: str | None, params: dict[str, Any], key
 
 
 def log_stage_result(run_id: str, metrics: dict[str, float], output_dir: Path, artifacts: list[str], info: dict[str, Any]) -> None:
-    mlflow = _mlflow()
-    from mlflow.entities import Metric
-
-    client = mlflow.MlflowClient()
-    now_ms = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(name, float(v), now_ms, 0) for name, v in metrics.items()])
+    client = _mlflow().MlflowClient()
+    client.log_batch(run_id, metrics=_metric_batch(metrics, step=0))
     for name in artifacts:
         path = output_dir / name
         if path.is_dir():
@@ -145,11 +141,11 @@ def _log_dataset(run_id: str, dataset: dict[str, Any]) -> None:
     mlflow.MlflowClient().log_inputs(run_id, datasets=[ds_input])
 
 
-def close_active_runs() -> None:
-    """End runs left open by an interrupted process so they do not stay RUNNING forever."""
-    mlflow = _mlflow()
-    while mlflow.active_run() is not None:
-        mlflow.end_run(status="KILLED")
+def _metric_batch(metrics: dict[str, float], step: int) -> list[Any]:
+    from mlflow.entities import Metric
+
+    now_ms = int(time.time() * 1000)
+    return [Metric(name, float(value), now_ms, step) for name, value in metrics.items()]
 
 
 class MetricLogger:
@@ -161,10 +157,7 @@ class MetricLogger:
         self.pending: list[Any] = []
 
     def __call__(self, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
-        now_ms = int(time.time() * 1000)
-        self.pending += [Metric(k, float(v), now_ms, step) for k, v in metrics.items()]
+        self.pending += _metric_batch(metrics, step)
         if step % self.every == 0:
             self.flush()
 
@@ -172,16 +165,6 @@ class MetricLogger:
         for i in range(0, len(self.pending), 1000):  # MLflow's per-request limit
             self.client.log_batch(self.run_id, metrics=self.pending[i:i + 1000])
         self.pending = []
-
-
-def log_artifacts(run_id: str, paths: list[Path], artifact_path: str | None = None) -> None:
-    client = _mlflow().MlflowClient()
-    for path in paths:
-        client.log_artifact(run_id, str(path), artifact_path=artifact_path)
-
-
-def log_text(run_id: str, text: str, name: str) -> None:
-    _mlflow().MlflowClient().log_text(run_id, text, name)
 
 
 def log_params(run_id: str, params: dict[str, Any]) -> None:

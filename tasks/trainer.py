@@ -20,14 +20,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from models.checkpoint import latest_valid_checkpoint, load_training_state, save_training_checkpoint
+from models.checkpoint import (
+    latest_valid_checkpoint, load_training_state, load_weights_into, save_training_checkpoint,
+)
 from models.llama import Llama, flops_per_token
 from tasks.data import BatchSampler, bits_per_byte
 
@@ -156,10 +157,7 @@ def train(
 
     found = latest_valid_checkpoint(checkpoint_dir)
     if found is not None:
-        from models.checkpoint import load_model
-
-        state = load_model(found, expect=model.cfg).state_dict()
-        model.load_state_dict(state)
+        load_weights_into(model, found)
         opt_state, trainer_state = load_training_state(found)
         optimizer.load_state_dict(opt_state)
         step, tokens = trainer_state["step"], trainer_state["tokens"]
@@ -177,18 +175,17 @@ def train(
     params = [p for p in model.parameters() if p.requires_grad]
     flops_tok = flops_per_token(model.cfg)
 
-    def horizon_from_budget(_: None) -> int:
-        """Steps the token/step budgets allow (no limit: effectively infinite)."""
-        limits = []
-        if s.max_steps:
-            limits.append(s.max_steps)
-        if s.max_tokens:
-            limits.append(math.ceil(s.max_tokens / tokens_per_step))
-        return min(limits) if limits else 10**9
+    def mfu_at(tokens_per_s: float) -> float:
+        return tokens_per_s * flops_tok / (s.peak_flops * world) if s.peak_flops else 0.0
 
+    # Steps the token/step budgets allow (none: effectively unlimited, the clock decides).
+    limits = [s.max_steps or 10**9]
+    if s.max_tokens:
+        limits.append(math.ceil(s.max_tokens / tokens_per_step))
+    budget_steps = min(limits)
     horizon_frozen = horizon is not None  # restored from a checkpoint
     if horizon is None and not s.max_minutes:
-        horizon, horizon_frozen = horizon_from_budget(None), True
+        horizon, horizon_frozen = budget_steps, True
     run_start = time.perf_counter()
     last_checkpoint = run_start
     probe_start, probe_step = None, step
@@ -209,7 +206,8 @@ def train(
             done = bool(flag.item())
         return done
 
-    while not out_of_budget():
+    final = out_of_budget()  # resumed from the last checkpoint: nothing left to do
+    while not final:
         lr = lr_at(step, s, horizon if horizon is not None else 10**9)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -245,14 +243,14 @@ def train(
             elif step - probe_step >= HORIZON_PROBE_STEPS:
                 per_step = (time.perf_counter() - probe_start) / (step - probe_step)
                 remaining = max(1, int((s.max_minutes * 60 - elapsed()) / per_step))
-                horizon = min(step + remaining, horizon_from_budget(None))
+                horizon = min(step + remaining, budget_steps)
             if world > 1:  # every rank follows rank 0's clock
                 horizon = _broadcast_int(horizon)
 
         now = time.perf_counter()
         window = now - window_start
         tok_s = window_tokens / window if window > 0 else 0.0
-        mfu = tok_s * flops_tok / (s.peak_flops * world) if s.peak_flops else 0.0
+        mfu = mfu_at(tok_s)
         window_start, window_tokens = now, 0
         record = {"step": step, "loss": loss_sum, **parts, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                   "tokens_per_s": tok_s, "mfu": mfu, "elapsed": elapsed()}
@@ -287,8 +285,6 @@ def train(
                  "history": history, "torch_rng": torch.get_rng_state()},
             )
             last_checkpoint = time.perf_counter()
-        if final:
-            break
 
     if world > 1:
         dist.barrier()
@@ -299,6 +295,6 @@ def train(
     tok_s = float(np.median(steady)) if steady else 0.0
     return TrainResult(
         steps=step, tokens=tokens, seconds=seconds, tokens_per_s=tok_s,
-        mfu=tok_s * flops_tok / (s.peak_flops * world) if s.peak_flops else 0.0,
+        mfu=mfu_at(tok_s),
         val_loss=val_loss, val_bpb=val_bpb, peak_rss_mb=peak_rss_mb(), resumed_from=resumed_from, history=history,
     )

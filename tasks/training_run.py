@@ -9,6 +9,7 @@ student distilled from the teacher). Rank 0 logs, checkpoints and writes the out
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -29,8 +30,9 @@ from tasks import tracking
 from tasks.config import Config
 from tasks.data import open_shards, token_byte_lengths, val_batches
 from tasks.errors import ConfigError
-from tasks.hardware import available_cores
+from tasks.hardware import available_cores, choose_precision, matmul_peak
 from tasks.progress import budget_bar
+from tasks.stage import StageContext
 from tasks.trainer import TrainSettings, lm_loss, train
 
 log = logging.getLogger("cpuforge.training")
@@ -69,6 +71,19 @@ def recover_settings(cfg: Config, dtype: torch.dtype, peak_flops: float) -> Trai
 
 def world_size(cfg: Config) -> int:
     return cfg.train.nproc_per_node * cfg.train.nnodes
+
+
+def training_spec(kind: str, cfg: Config, tokenize_dir: Path | str, out_dir: Path, run_id: str,
+                  ctx: StageContext, **model_dirs: Path) -> dict[str, Any]:
+    """What run_training needs, as JSON (it may cross into torchrun workers)."""
+    threads = threads_per_process(cfg)
+    return {
+        "kind": kind, "config": cfg.model_dump(mode="json"), "tokenize_dir": str(tokenize_dir),
+        "out_dir": str(out_dir), "threads": threads,
+        "dtype": str(choose_precision(cfg.train.precision)).removeprefix("torch."),
+        "peak_flops": matmul_peak(threads, ctx.cache_dir), "tracking_uri": ctx.tracking_uri, "run_id": run_id,
+        **{name: str(path) for name, path in model_dirs.items()},
+    }
 
 
 def execute(spec: dict[str, Any], cfg: Config, key: str) -> dict[str, Any]:
@@ -114,7 +129,8 @@ def run_training(spec: dict[str, Any]) -> dict[str, Any]:
     val = val_batches(shards.val, cfg.train.eval_batches, cfg.train.batch_size, block)
     logger = tracking.MetricLogger(spec["tracking_uri"], spec["run_id"]) if rank == 0 and spec.get("run_id") else None
 
-    with budget_bar(spec["kind"]) if rank == 0 else _null_bar() as update:
+    quiet = contextlib.nullcontext(lambda fraction, status: None)  # only rank 0 draws progress
+    with budget_bar(spec["kind"]) if rank == 0 else quiet as update:
         result = train(model, shards.train, val, byte_lengths, train_settings, out_dir / "checkpoints",
                        loss_fn=loss_fn, log_metrics=logger, on_progress=update)
     if logger:
@@ -127,14 +143,6 @@ def run_training(spec: dict[str, Any]) -> dict[str, Any]:
         atomic_write_json(out_dir / "result.json", summary)
         return summary
     return {}
-
-
-class _null_bar:
-    def __enter__(self):
-        return lambda fraction, status: None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def launch_torchrun(cfg: Config, spec_path: Path, key: str) -> None:
