@@ -62,7 +62,80 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("config", help="print the resolved configuration and exit")
     config_args(show)
     show.set_defaults(handler=_show_config)
+
+    def model_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", required=True, metavar="PATH_OR_URI",
+                       help="a model folder (PyTorch), an .onnx file, a stage output folder, or an MLflow "
+                            "URI such as models:/cpuforge-lm@champion")
+        p.add_argument("--tracking-uri", help="MLflow store for models:/ URIs (default: $MLFLOW_TRACKING_URI, "
+                                              "else the store in ./cpuforge-runs)")
+
+    gen = sub.add_parser("generate", help="stream text from a model")
+    model_args(gen)
+    gen.add_argument("--prompt", required=True, help="text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=200)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=40)
+    gen.add_argument("--seed", type=int, default=None, help="fix the sampling for a repeatable output")
+    gen.set_defaults(handler=_generate)
+
+    ev = sub.add_parser("evaluate", help="bits per byte and perplexity of a model on a text file")
+    model_args(ev)
+    ev.add_argument("--text", required=True, help="a UTF-8 text file, read with the model's own tokenizer")
+    ev.add_argument("--json", action="store_true", help="print the result as JSON")
+    ev.set_defaults(handler=_evaluate)
     return parser
+
+
+def _model_tracking_uri(args: argparse.Namespace) -> str | None:
+    if args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"):
+        return args.tracking_uri or os.environ["MLFLOW_TRACKING_URI"]
+    default = Path("cpuforge-runs") / "mlflow.db"
+    if args.model.startswith(("models:/", "runs:/")) and not default.is_file():
+        raise UserError(f"{args.model} needs an MLflow store: pass --tracking-uri (no {default} here)")
+    return f"sqlite:///{default.resolve()}"
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tasks.registry import open_model
+
+    if args.max_new_tokens <= 0:
+        raise UserError("--max-new-tokens must be positive")
+    from models.runtime import check_prompt
+
+    lm = open_model(args.model, _model_tracking_uri(args))
+    try:
+        check_prompt(len(lm.encode(args.prompt)), lm.cfg.block_size)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    print(args.prompt, end="", flush=True)
+    for piece in lm.stream(args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed):
+        print(piece, end="", flush=True)
+    print()
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from tasks.registry import open_model
+    from tasks.scoring import score_text
+
+    path = Path(args.text).expanduser()
+    if not path.is_file():
+        raise UserError(f"text file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    lm = open_model(args.model, _model_tracking_uri(args))
+    score = score_text(lm, text)
+    result = {"model": args.model, "format": lm.kind, "params": lm.params, "text": str(path), **score.as_dict()}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"{args.model} ({lm.kind}, {lm.params:,} params) on {path.name}: "
+              f"{score.val_bpb:.4f} bits per byte, perplexity {score.ppl:.2f} "
+              f"({score.tokens:,} tokens, {score.bytes:,} bytes)")
+    return 0
 
 
 def _show_config(args: argparse.Namespace) -> int:

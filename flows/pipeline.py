@@ -14,9 +14,13 @@ from tasks.config import load_config
 from tasks.stage import StageContext
 from tasks.store import StageRecord
 from tasks.summary import add_stage, new_summary, write_summary
+from tasks.evaluate import evaluate_task
+from tasks.export import export_task
 from tasks.pretrain import pretrain_task
 from tasks.prune import prune_task
+from tasks.quantize import quantize_task
 from tasks.recover import recover_task
+from tasks.registry import register_task
 from tasks.tokenize import tokenize_task
 
 DEFAULT_WORKDIR = "cpuforge-runs"
@@ -30,7 +34,8 @@ def pipeline(
     workdir: str = DEFAULT_WORKDIR,
     summary_path: str | None = None,
 ) -> dict[str, Any]:
-    """Raw text to a small, fast model: tokenize -> pretrain -> prune -> recover (more stages land here as they are built).
+    """Raw text to a small, fast, registered model: tokenize -> pretrain -> prune -> recover -> export -> quantize
+    -> evaluate, then the final model is registered in MLflow and promoted to champion if it beats the current one.
 
     Args:
         profile: named profile: tiny (about a minute), demo (10-15 minutes), full (hours).
@@ -54,8 +59,12 @@ def pipeline(
             tokenized = _stage(tokenize_task, summary, ctx)
             pretrained = _stage(pretrain_task, summary, ctx, tokenize=tokenized)
             pruned = _stage(prune_task, summary, ctx, tokenize=tokenized, pretrain=pretrained)
-            recovered = _stage(recover_task, summary, ctx, tokenize=tokenized, pretrain=pretrained,  # noqa: F841
-                               prune=pruned)
+            recovered = _stage(recover_task, summary, ctx, tokenize=tokenized, pretrain=pretrained, prune=pruned)
+            exported = _stage(export_task, summary, ctx, tokenize=tokenized, recover=recovered)
+            quantized = _stage(quantize_task, summary, ctx, tokenize=tokenized, export=exported)
+            evaluated = _stage(evaluate_task, summary, ctx, tokenize=tokenized, pretrain=pretrained, prune=pruned,
+                               recover=recovered, export=exported, quantize=quantized)
+            summary["registry"] = register_task(ctx, tokenized, quantized, evaluated)
 
         summary["status"] = "completed"
         return summary

@@ -51,7 +51,10 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+                cache: tuple[torch.Tensor, torch.Tensor] | None = None, mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """`mask` (T, past + T), True where a query may attend: given, it replaces the causal rule derived
+        from the cache's length (the ONNX decoder passes one so its graph has no shape-dependent branch)."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
@@ -60,9 +63,8 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
         # Causal within the new tokens; every cached position is in the past, so it is visible.
-        causal = cache is None or cache[0].shape[2] == 0
-        mask = None
-        if not causal and T > 1:
+        causal = mask is None and (cache is None or cache[0].shape[2] == 0)
+        if mask is None and not causal and T > 1:
             past = k.shape[2] - T
             mask = torch.ones(T, k.shape[2], dtype=torch.bool).tril(diagonal=past)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and T > 1,
@@ -91,8 +93,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache=None):
-        h, new_cache = self.attn(self.attn_norm(x), cos, sin, cache)
+    def forward(self, x, cos, sin, cache=None, mask=None):
+        h, new_cache = self.attn(self.attn_norm(x), cos, sin, cache, mask)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), new_cache
 
@@ -168,37 +170,3 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None) -> float:
     mlp = 3 * cfg.d_model * cfg.d_mlp
     matmul_params = cfg.n_layer * (attn + mlp) + cfg.d_model * cfg.vocab_size
     return 6.0 * matmul_params + 12.0 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
-
-
-@torch.no_grad()
-def generate(model: Llama, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, stop_token: int | None = None,
-             generator: torch.Generator | None = None) -> list[int]:
-    """Continue a prompt with a KV cache. temperature 0 is greedy. Stops at stop_token or the context."""
-    was_training = model.training
-    model.eval()
-    room = model.cfg.block_size - len(prompt)
-    if not prompt or room <= 0:
-        raise ValueError(f"the prompt has {len(prompt)} tokens; it must have 1 to {model.cfg.block_size - 1}")
-    out: list[int] = []
-    logits, cache = model(torch.tensor([prompt]))
-    position = len(prompt)
-    for _ in range(min(max_new_tokens, room)):
-        next_logits = logits[0, -1].float()
-        if temperature <= 0:
-            token = int(next_logits.argmax())
-        else:
-            next_logits = next_logits / temperature
-            if top_k is not None and top_k < next_logits.numel():
-                kth = torch.topk(next_logits, top_k).values[-1]
-                next_logits = next_logits.masked_fill(next_logits < kth, float("-inf"))
-            token = int(torch.multinomial(next_logits.softmax(-1), 1, generator=generator))
-        if stop_token is not None and token == stop_token:
-            break
-        out.append(token)
-        if position >= model.cfg.block_size:
-            break
-        logits, cache = model(torch.tensor([[token]]), cache=cache, start=position)
-        position += 1
-    model.train(was_training)
-    return out

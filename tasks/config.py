@@ -175,14 +175,25 @@ class QuantizeConfig(Section):
         "auto", description="Dynamic weight type; 'auto' picks what is accurate on this CPU."
     )
     calib_batches: int = Field(8, gt=0, description="Train-split batches for static calibration.")
+    max_bpb_increase: float = Field(
+        0.01, ge=0, description="Keep the fastest int8 variant whose bits per byte is at most this fraction "
+        "above the fp32 ONNX model's; if none is, keep the most accurate.")
+    score_tokens: int = Field(16_384, gt=0, description="Val tokens each quantized candidate is scored on.")
 
 
 class EvalConfig(Section):
     max_tokens: int = Field(65_536, gt=0, description="Val tokens every variant is scored on.")
-    batch_sizes: list[int] = Field([1, 8], description="Batch sizes for prefill speed.")
+    batch_sizes: list[int] = Field([1, 8], min_length=1, description="Batch sizes for prefill speed (full context).")
     decode_tokens: int = Field(64, gt=0, description="Tokens generated to time decoding.")
     prompts: list[str] = Field(["def ", "import ", "class "], description="Fixed prompts for samples.")
     max_new_tokens: int = Field(80, gt=0, description="Length of each sample.")
+
+
+    @model_validator(mode="after")
+    def _positive_batches(self) -> EvalConfig:
+        if any(b <= 0 for b in self.batch_sizes):
+            raise ValueError(f"eval.batch_sizes must be positive, got {self.batch_sizes}")
+        return self
 
 
 class TrackingConfig(Section):

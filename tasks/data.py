@@ -97,9 +97,10 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
-def token_byte_lengths(tokenizer_path: Path) -> np.ndarray:
+def token_byte_lengths(tokenizer: Path | Tokenizer) -> np.ndarray:
     """UTF-8 bytes each token id stands for (0 for special tokens): the denominator of bits per byte."""
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    if not isinstance(tokenizer, Tokenizer):
+        tokenizer = Tokenizer.from_file(str(tokenizer))
     char_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
     special = {t.content for t in tokenizer.get_added_tokens_decoder().values()}
     lengths = np.zeros(tokenizer.get_vocab_size(with_added_tokens=True), dtype=np.int64)

@@ -11,3 +11,8 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """The corpus cannot be turned into training data (missing, empty, undecodable...)."""
+
+
+class ModelError(UserError):
+    """A model file that cannot be used (missing, corrupted, without its tokenizer), or a model
+    that does not survive export: the message names the file or the check that failed."""

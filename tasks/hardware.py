@@ -43,6 +43,30 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def int8_dot_product() -> str:
+    """The CPU's int8 dot-product instructions, which decide how fast (and, without them, how
+    accurately for signed weights) onnxruntime's int8 kernels run."""
+    flags = cpu_flags()
+    for flag in ("amx_int8", "avx512_vnni", "avx_vnni"):
+        if flag in flags:
+            return flag
+    return "none (no VNNI/AMX)"
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MB. VmHWM, not ru_maxrss: Linux carries ru_maxrss
+    across fork and exec, so a child started by a big process would report its parent's peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def has_native_bf16() -> bool:
     """AVX-512 BF16 or AMX: without them bf16 matmuls are emulated and far slower than fp32."""
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})

@@ -10,7 +10,8 @@ from tokenizers import Tokenizer
 
 from models.checkpoint import load_model
 from models.fileio import atomic_write_text
-from models.llama import Llama, generate
+from models.llama import Llama
+from models.runtime import generate
 from tasks.config import Config
 
 SAMPLE_SEED = 1234
@@ -22,8 +23,8 @@ def write_samples(model: Llama, tokenizer: Tokenizer, cfg: Config, eod_id: int) 
     parts = []
     for prompt in cfg.eval.prompts:
         ids = tokenizer.encode(prompt, add_special_tokens=False).ids[: model.cfg.block_size - 1] or [eod_id]
-        out = generate(model, ids, cfg.eval.max_new_tokens, temperature=0.8, top_k=40, stop_token=eod_id,
-                       generator=generator)
+        out = list(generate(model, ids, cfg.eval.max_new_tokens, temperature=0.8, top_k=40, stop_token=eod_id,
+                            generator=generator))
         parts.append(f"=== prompt: {prompt!r}\n{prompt}{tokenizer.decode(out)}\n")
     return "\n".join(parts)
 

@@ -37,6 +37,7 @@ def add_stage(summary: dict[str, Any], record: StageRecord) -> None:
         "metrics": record.metrics,
         "key": record.key,
         "mlflow_run_id": record.mlflow_run_id,
+        **record.info.get("summary", {}),  # a stage's extra summary fields, e.g. evaluate's "variants"
     }
 
 

@@ -175,3 +175,9 @@ def _param(key: str, value: Any):
     from mlflow.entities import Param
 
     return Param(key, str(value))
+
+
+def log_table(run_id: str, rows: list[dict[str, Any]], artifact_file: str) -> None:
+    """Rows as an MLflow table (shown, and comparable across runs, in the run's Evaluation tab)."""
+    columns = {key: [row.get(key) for row in rows] for key in rows[0]} if rows else {}
+    _mlflow().log_table(data=columns, artifact_file=artifact_file, run_id=run_id)

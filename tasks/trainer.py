@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from models.checkpoint import (
 )
 from models.llama import Llama, flops_per_token
 from tasks.data import BatchSampler, bits_per_byte
+from tasks.hardware import peak_rss_mb
 
 log = logging.getLogger("cpuforge.trainer")
 
@@ -93,10 +93,6 @@ def make_optimizer(model: torch.nn.Module, s: TrainSettings) -> torch.optim.Adam
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, foreach=True)
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 @torch.no_grad()

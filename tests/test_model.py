@@ -8,7 +8,8 @@ from models.checkpoint import (
     CheckpointError, latest_valid_checkpoint, load_model, save_model, save_training_checkpoint,
 )
 from models.config import LlamaConfig, ModelConfigError
-from models.llama import Llama, flops_per_token, generate, param_count
+from models.llama import Llama, flops_per_token, param_count
+from models.runtime import generate
 
 CFG = LlamaConfig(vocab_size=97, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_mlp=64, block_size=32)
 
@@ -38,16 +39,16 @@ def test_kv_cache_gives_the_same_logits_as_a_full_forward(model):
 
 def test_greedy_generation_matches_stepwise_argmax_and_stops(model):
     prompt = [5, 6, 7]
-    out = generate(model, prompt, 8)
+    out = list(generate(model, prompt, 8))
     seq = list(prompt)
     for _ in range(8):
         seq.append(int(model(torch.tensor([seq]))[0][0, -1].argmax()))
     assert out == seq[3:]
-    assert generate(model, prompt, 8, stop_token=out[0]) == []
-    assert generate(model, prompt, 8, temperature=1.0, top_k=1) == out  # top-1 sampling is greedy
-    assert len(generate(model, list(range(30)), 100)) <= 2  # never past the context
-    with pytest.raises(ValueError, match="1 to 31"):
-        generate(model, list(range(32)), 4)
+    assert list(generate(model, prompt, 8, stop_token=out[0])) == []
+    assert list(generate(model, prompt, 8, temperature=1.0, top_k=1)) == out  # top-1 sampling is greedy
+    assert len(list(generate(model, list(range(30)), 100))) <= 2  # never past the context
+    with pytest.raises(ValueError, match="at most 31"):
+        list(generate(model, list(range(32)), 4))
 
 
 def test_shapes_counts_and_flops():

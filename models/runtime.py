@@ -1,0 +1,250 @@
+"""One way to run a language model, whatever it is stored as.
+
+A cpuforge model folder (``model.safetensors`` + ``config.json`` + ``tokenizer.json``) runs
+in PyTorch; an ``.onnx`` decoder (see models/onnx_export.py) runs in onnxruntime with its
+KV cache. Both offer the same three calls: ``logits`` for scoring and prefill, ``prefill``
+and ``step`` for generation. ``generate`` samples from either.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from models.checkpoint import CONFIG, WEIGHTS, CheckpointError, load_model
+from models.config import LlamaConfig, ModelConfigError
+from models.llama import Llama, config_param_count
+from models.onnx_export import META_CONFIG, META_EOD, META_TOKENIZER, input_names, output_names
+
+TOKENIZER = "tokenizer.json"
+# Preferred when a folder holds several ONNX files: the deployable one first.
+ONNX_NAMES = ("model.int8.onnx", "model.onnx")
+
+
+class ModelLoadError(ValueError):
+    """A model path that is missing, unreadable, or lacks what running it needs."""
+
+
+class Decoder(Protocol):
+    cfg: LlamaConfig
+
+    def logits(self, ids: np.ndarray) -> np.ndarray: ...  # (B, T) int64 -> (B, T, vocab) float32
+
+    def prefill(self, ids: np.ndarray) -> tuple[np.ndarray, Any]: ...  # -> (last logits (B, vocab), cache)
+
+    def step(self, ids: np.ndarray, cache: Any, position: int) -> tuple[np.ndarray, Any]: ...
+
+
+class TorchDecoder:
+    def __init__(self, model: Llama) -> None:
+        self.model, self.cfg = model.eval(), model.cfg
+
+    @torch.inference_mode()
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        return self.model(torch.from_numpy(np.asarray(ids, dtype=np.int64)))[0].float().numpy()
+
+    @torch.inference_mode()
+    def prefill(self, ids: np.ndarray) -> tuple[np.ndarray, Any]:
+        logits, cache = self.model(torch.from_numpy(np.asarray(ids, dtype=np.int64)))
+        return logits[:, -1].float().numpy(), cache
+
+    @torch.inference_mode()
+    def step(self, ids: np.ndarray, cache: Any, position: int) -> tuple[np.ndarray, Any]:
+        logits, cache = self.model(torch.from_numpy(np.asarray(ids, dtype=np.int64)), cache=cache, start=position)
+        return logits[:, -1].float().numpy(), cache
+
+
+class OnnxDecoder:
+    """The exported decoder in onnxruntime: a past of length 0 is a plain forward pass."""
+
+    def __init__(self, path: Path, cfg: LlamaConfig, threads: int | None = None) -> None:
+        import onnxruntime as ort
+
+        self.cfg = cfg
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            options.intra_op_num_threads = threads
+        options.log_severity_level = 3  # warnings about unused initializers etc. are not the user's business
+        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self.past_names = input_names(cfg.n_layer)[1:]
+        self.outputs = output_names(cfg.n_layer)
+
+    def _feeds(self, ids: np.ndarray, past: list[np.ndarray] | None) -> dict[str, np.ndarray]:
+        ids = np.asarray(ids, dtype=np.int64)
+        if past is None:
+            empty = np.zeros((ids.shape[0], self.cfg.n_kv_head, 0, self.cfg.head_dim), dtype=np.float32)
+            past = [empty] * len(self.past_names)
+        return {"input_ids": ids, **dict(zip(self.past_names, past))}
+
+    def logits(self, ids: np.ndarray) -> np.ndarray:
+        return self.session.run(["logits"], self._feeds(ids, None))[0]
+
+    def prefill(self, ids: np.ndarray) -> tuple[np.ndarray, Any]:
+        logits, *present = self.session.run(self.outputs, self._feeds(ids, None))
+        return logits[:, -1], present
+
+    def step(self, ids: np.ndarray, cache: Any, position: int) -> tuple[np.ndarray, Any]:
+        logits, *present = self.session.run(self.outputs, self._feeds(ids, cache))
+        return logits[:, -1], present
+
+
+@dataclass
+class LanguageModel:
+    """A decoder with its tokenizer, and where it came from."""
+
+    decoder: Decoder
+    tokenizer: Tokenizer
+    eod_id: int | None
+    kind: str  # "pytorch" | "onnx"
+    path: Path
+    file_bytes: int
+
+    @property
+    def cfg(self) -> LlamaConfig:
+        return self.decoder.cfg
+
+    @property
+    def params(self) -> int:
+        return config_param_count(self.cfg)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def stream(self, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 40,
+               seed: int | None = None) -> Iterator[str]:
+        """Yield the continuation of `prompt` as text pieces, as soon as each piece is whole UTF-8."""
+        ids = self.encode(prompt)
+        check_prompt(len(ids), self.cfg.block_size)
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        out: list[int] = []
+        shown = ""
+        for token in generate(self.decoder, ids, max_new_tokens, temperature, top_k, self.eod_id, generator):
+            out.append(token)
+            text = self.tokenizer.decode(out)
+            if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
+                continue
+            yield text[len(shown):]
+            shown = text
+
+
+def check_prompt(n_tokens: int, block_size: int) -> None:
+    if n_tokens == 0:
+        raise ValueError("the prompt is empty: give at least one character of text")
+    if n_tokens >= block_size:
+        raise ValueError(f"the prompt is {n_tokens} tokens long; this model's context is {block_size} tokens, "
+                         f"so the prompt must be at most {block_size - 1}: shorten it")
+
+
+def choose_token(logits: torch.Tensor, temperature: float, top_k: int | None,
+                 generator: torch.Generator | None) -> int:
+    """Greedy at temperature 0, else sampling from the top-k tokens at that temperature."""
+    logits = logits.float()
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+
+
+def generate(decoder: Decoder | Llama, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, stop_token: int | None = None,
+             generator: torch.Generator | None = None) -> Iterator[int]:
+    """Continue a prompt with the KV cache, yielding each new token; stops at stop_token or the context."""
+    if isinstance(decoder, Llama):
+        decoder = TorchDecoder(decoder)
+    block = decoder.cfg.block_size
+    check_prompt(len(prompt), block)
+    logits, cache = decoder.prefill(np.array([prompt]))
+    position = len(prompt)
+    budget = min(max_new_tokens, block - position)  # every fed token needs a position inside the context
+    for i in range(budget):
+        token = choose_token(torch.from_numpy(np.ascontiguousarray(logits[0])), temperature, top_k, generator)
+        if stop_token is not None and token == stop_token:
+            return
+        yield token
+        if i + 1 == budget:
+            return
+        logits, cache = decoder.step(np.array([[token]]), cache, position)
+        position += 1
+
+
+def load_language_model(path: Path, threads: int | None = None) -> LanguageModel:
+    """A model folder (PyTorch), an .onnx file, or a folder holding one; ModelLoadError says what is wrong."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model not found: {path}")
+    if path.is_file() and path.name == WEIGHTS:
+        path = path.parent
+    if path.is_dir():
+        if (path / "model" / CONFIG).is_file():  # a stage's output folder
+            path = path / "model"
+        if (path / CONFIG).is_file() or (path / WEIGHTS).is_file():
+            return _load_torch(path)
+        onnx_files = [path / name for name in ONNX_NAMES if (path / name).is_file()] or sorted(path.glob("*.onnx"))
+        if not onnx_files:
+            raise ModelLoadError(f"{path} holds no model: expected {WEIGHTS} + {CONFIG} (PyTorch) or an .onnx file")
+        path = onnx_files[0]
+    if path.suffix != ".onnx":
+        raise ModelLoadError(f"{path}: not a model file (expected an .onnx file or a cpuforge model folder)")
+    return _load_onnx(path, threads)
+
+
+def _load_torch(folder: Path) -> LanguageModel:
+    try:
+        model = load_model(folder)
+    except CheckpointError as exc:
+        raise ModelLoadError(str(exc)) from None
+    tokenizer_path = folder / TOKENIZER
+    if not tokenizer_path.is_file():
+        raise ModelLoadError(f"{folder} has no {TOKENIZER}: the model cannot read or write text without the "
+                             f"tokenizer it was trained with (copy it from the tokenize stage's output)")
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    extra = json.loads((folder / CONFIG).read_text())
+    eod = extra.get("eod_id")
+    return LanguageModel(TorchDecoder(model), tokenizer, eod if eod is not None else _eod_of(tokenizer),
+                         "pytorch", folder, (folder / WEIGHTS).stat().st_size)
+
+
+def _load_onnx(path: Path, threads: int | None) -> LanguageModel:
+    import onnx
+
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf raises its own DecodeError, among others
+        raise ModelLoadError(f"{path} is not a readable ONNX model ({type(exc).__name__}: {exc})") from None
+    meta = {p.key: p.value for p in proto.metadata_props}
+    del proto
+    if META_CONFIG not in meta:
+        raise ModelLoadError(f"{path} was not exported by cpuforge: its metadata has no {META_CONFIG}")
+    try:
+        cfg = LlamaConfig.from_dict(json.loads(meta[META_CONFIG]))
+    except (json.JSONDecodeError, TypeError, ModelConfigError) as exc:
+        raise ModelLoadError(f"{path}: invalid model config in its metadata: {exc}") from None
+    if META_TOKENIZER in meta:
+        tokenizer = Tokenizer.from_str(meta[META_TOKENIZER])
+    elif (path.parent / TOKENIZER).is_file():
+        tokenizer = Tokenizer.from_file(str(path.parent / TOKENIZER))
+    else:
+        raise ModelLoadError(f"{path} carries no tokenizer (metadata {META_TOKENIZER}) and there is no "
+                             f"{TOKENIZER} next to it: put the tokenizer the model was trained with there")
+    try:
+        decoder = OnnxDecoder(path, cfg, threads)
+    except Exception as exc:  # onnxruntime reports a bad graph as a generic runtime error
+        raise ModelLoadError(f"onnxruntime cannot load {path}: {exc}") from None
+    eod = int(meta[META_EOD]) if META_EOD in meta else _eod_of(tokenizer)
+    return LanguageModel(decoder, tokenizer, eod, "onnx", path, path.stat().st_size)
+
+
+def _eod_of(tokenizer: Tokenizer) -> int | None:
+    special = [t for t in tokenizer.get_added_tokens_decoder().items() if t[1].special]
+    return special[0][0] if special else None

@@ -1,0 +1,204 @@
+"""Stage 7, evaluate: every variant of the model on the same validation tokens.
+
+Variants: pretrained (PyTorch fp32), pruned, recovered (PyTorch fp32), onnx-fp32 and
+onnx-int8 (onnxruntime). For each: bits per byte and perplexity on the first
+``eval.max_tokens`` val tokens, parameters, file size, prefill tokens/s at full context for
+each of ``eval.batch_sizes``, decode tokens/s with the KV cache, peak RSS and samples from
+the fixed prompts. Each variant is measured in a fresh process, one after the other, so its
+peak RSS is its own and no two measurements share the cores.
+
+Outputs: ``variants.json``, ``report.md``, ``quality_vs_size_speed.png``; in MLflow the
+metrics (``<variant>/<metric>``), a table and the files; in Prefect a table and the report.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.context import TaskRunContext
+from prefect.states import State
+
+from models.fileio import atomic_write_json, atomic_write_text
+from tasks import tracking
+from tasks.config import Config
+from tasks.data import open_shards
+from tasks.hardware import available_cores
+from tasks.publish import finish_stage
+from tasks.reports import SAMPLE_SEED
+from tasks.stage import StageContext, StageOutput, StageSpec, run_stage
+from tasks.store import StageRecord
+
+log = logging.getLogger("cpuforge.evaluate")
+
+SPEC = StageSpec(name="evaluate", version="1", sections=("eval",))
+BASELINE, FINAL = "pretrained", "onnx-int8"
+SUMMARY_KEYS = ("variant", "format", "params", "file_bytes", "val_bpb", "ppl", "prefill_tok_s",
+                "prefill_tok_s_by_batch", "decode_tok_s", "peak_rss_mb")
+
+
+def variant_paths(pretrain: StageRecord, prune: StageRecord, recover: StageRecord, export: StageRecord,
+                  quantize: StageRecord) -> dict[str, Path]:
+    return {"pretrained": pretrain.path("model"), "pruned": prune.path("model"), "recovered": recover.path("model"),
+            "onnx-fp32": export.path("onnx"), "onnx-int8": quantize.path("onnx")}
+
+
+def _measure_in_fresh_process(name: str, **kwargs: Any) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="cpuforge-measure-") as tmp:
+        args, result = Path(tmp) / "args.json", Path(tmp) / "result.json"
+        args.write_text(json.dumps(kwargs))
+        proc = subprocess.run([sys.executable, "-m", "tasks.measure", str(args), str(result)],
+                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": _import_root()})
+        if proc.returncode != 0:
+            raise RuntimeError(f"measuring variant {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return json.loads(result.read_text())
+
+
+def _import_root() -> str:
+    """This checkout first on the child's path, whether cpuforge is installed or run from the source tree."""
+    root = str(Path(__file__).resolve().parents[1])
+    rest = os.environ.get("PYTHONPATH")
+    return root + (os.pathsep + rest if rest else "")
+
+
+def evaluate(cfg: Config, tokenized: StageRecord, paths: dict[str, Path], out_dir: Path, run_id: str) -> StageOutput:
+    started = time.perf_counter()
+    shards = open_shards(Path(tokenized.output_dir), 2)
+    e = cfg.eval
+    variants: list[dict[str, Any]] = []
+    for name, path in paths.items():
+        result = _measure_in_fresh_process(
+            name, model_path=str(path), val_path=str(Path(tokenized.output_dir) / "val.bin"),
+            val_dtype=shards.meta["dtype"], max_tokens=e.max_tokens, batch_sizes=e.batch_sizes,
+            decode_tokens=e.decode_tokens, prompts=e.prompts, max_new_tokens=e.max_new_tokens,
+            threads=available_cores(), seed=SAMPLE_SEED)
+        variants.append({"variant": name, **result})
+        log.info("%-10s %9s params %8.2f MB  bpb %.4f  prefill %8.0f tok/s  decode %6.0f tok/s  rss %5.0f MB",
+                 name, f"{result['params']:,}", result["file_bytes"] / 1e6, result["val_bpb"],
+                 result["prefill_tok_s"], result["decode_tok_s"], result["peak_rss_mb"])
+
+    by_name = {v["variant"]: v for v in variants}
+    base, final = by_name[BASELINE], by_name[FINAL]
+    metrics: dict[str, float | int] = {
+        "final_val_bpb": final["val_bpb"], "final_ppl": final["ppl"], "final_file_bytes": final["file_bytes"],
+        "baseline_val_bpb": base["val_bpb"],
+        "bpb_increase_pct": round(100 * (final["val_bpb"] / base["val_bpb"] - 1), 3),
+        "size_ratio": round(base["file_bytes"] / final["file_bytes"], 3),
+        "decode_speedup": round(final["decode_tok_s"] / base["decode_tok_s"], 3),
+        "val_tokens": final["val_tokens"], "seconds": 0.0,
+    }
+    for b in map(str, e.batch_sizes):
+        metrics[f"prefill_speedup_b{b}"] = round(final["prefill_tok_s_by_batch"][b] / base["prefill_tok_s_by_batch"][b], 3)
+    for v in variants:
+        for key in ("val_bpb", "ppl", "params", "file_bytes", "decode_tok_s", "peak_rss_mb"):
+            metrics[f"{v['variant']}/{key}"] = v[key]
+        for b, speed in v["prefill_tok_s_by_batch"].items():
+            metrics[f"{v['variant']}/prefill_tok_s_b{b}"] = speed
+
+    atomic_write_json(out_dir / "variants.json", variants)
+    report = report_markdown(variants, metrics, e.batch_sizes)
+    atomic_write_text(out_dir / "report.md", report)
+    plot_variants(variants, out_dir / "quality_vs_size_speed.png")
+    tracking.log_table(run_id, table_rows(variants), "variants_table.json")
+    metrics["seconds"] = round(time.perf_counter() - started, 2)
+    log.info("final model (%s): %.1fx smaller than the pretrained fp32 model, %.2fx its prefill speed (batch %s), "
+             "bits per byte %.4f vs %.4f (%+.1f%%)", FINAL, metrics["size_ratio"],
+             metrics[f"prefill_speedup_b{e.batch_sizes[0]}"], e.batch_sizes[0], final["val_bpb"], base["val_bpb"],
+             metrics["bpb_increase_pct"])
+    return StageOutput(
+        metrics=metrics,
+        files={"variants": "variants.json", "report": "report.md", "plot": "quality_vs_size_speed.png"},
+        artifacts=["variants.json", "report.md", "quality_vs_size_speed.png"],
+        info={"summary": {"variants": [{k: v[k] for k in SUMMARY_KEYS} for v in variants]},
+              "final_model": str(paths[FINAL])},
+    )
+
+
+def table_rows(variants: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for v in variants:
+        row = {k: v[k] for k in ("variant", "format", "params", "file_bytes", "val_bpb", "ppl", "decode_tok_s",
+                                 "peak_rss_mb")}
+        row.update({f"prefill_tok_s_b{b}": s for b, s in v["prefill_tok_s_by_batch"].items()})
+        rows.append(row)
+    return rows
+
+
+def report_markdown(variants: list[dict[str, Any]], metrics: dict[str, Any], batch_sizes: list[int]) -> str:
+    b0 = batch_sizes[0]
+    prefill_cols = " | ".join(f"prefill tok/s b{b}" for b in batch_sizes)
+    lines = [
+        "## cpuforge evaluation",
+        "",
+        f"Final model **{FINAL}** against the pretrained fp32 model: **{metrics['size_ratio']:.1f}x smaller**, "
+        f"**{metrics[f'prefill_speedup_b{b0}']:.2f}x** prefill tokens/s at batch {b0}, "
+        f"**{metrics['decode_speedup']:.2f}x** decode tokens/s, bits per byte {metrics['final_val_bpb']:.4f} vs "
+        f"{metrics['baseline_val_bpb']:.4f} ({metrics['bpb_increase_pct']:+.1f}%). "
+        f"All on the same {metrics['val_tokens']:,} validation tokens.",
+        "",
+        f"| variant | format | params | file MB | bits/byte | perplexity | {prefill_cols} | decode tok/s | peak RSS MB |",
+        "|---|---|---|---|---|---|" + "---|" * len(batch_sizes) + "---|---|",
+    ]
+    for v in variants:
+        speeds = " | ".join(f"{v['prefill_tok_s_by_batch'][str(b)]:,.0f}" for b in batch_sizes)
+        lines.append(f"| {v['variant']} | {v['format']} | {v['params']:,} | {v['file_bytes'] / 1e6:.2f} | "
+                     f"{v['val_bpb']:.4f} | {v['ppl']:.2f} | {speeds} | {v['decode_tok_s']:,.0f} | {v['peak_rss_mb']:,.0f} |")
+    lines += ["", "### Samples (temperature 0.8, top-k 40, same seed for every variant)", ""]
+    for v in variants:
+        lines.append(f"**{v['variant']}**")
+        lines.append("")
+        for text in v["samples"].values():
+            lines += ["```", text.strip("\n"), "```"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_variants(variants: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (size_ax, speed_ax) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for v in variants:
+        for ax, x in ((size_ax, v["file_bytes"] / 1e6), (speed_ax, v["prefill_tok_s"])):
+            ax.scatter(x, v["val_bpb"], s=40)
+            ax.annotate(v["variant"], (x, v["val_bpb"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    size_ax.set_xscale("log")
+    size_ax.set_xlabel("file size (MB, log scale)")
+    speed_ax.set_xlabel("prefill tokens/s (batch 1, full context)")
+    size_ax.set_ylabel("validation bits per byte (lower is better)")
+    fig.suptitle("Quality against size and speed of every variant")
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+@task(name="evaluate", cache_policy=NO_CACHE)
+def evaluate_task(ctx: StageContext, tokenize: StageRecord, pretrain: StageRecord, prune: StageRecord,
+                  recover: StageRecord, export: StageRecord, quantize: StageRecord) -> State:
+    paths = variant_paths(pretrain, prune, recover, export, quantize)
+    record = run_stage(
+        SPEC, ctx, lambda out_dir, run_id: evaluate(ctx.cfg, tokenize, paths, out_dir, run_id),
+        inputs={"tokenize": tokenize, "pretrain": pretrain, "prune": prune, "recover": recover, "export": export,
+                "quantize": quantize})
+    if TaskRunContext.get() is not None:
+        variants = record.info["summary"]["variants"]
+        create_table_artifact(key="cpuforge-evaluation", table=[
+            {k: v for k, v in row.items() if k != "prefill_tok_s_by_batch"} for row in variants],
+            description="cpuforge: every variant on the same validation tokens")
+        create_markdown_artifact(key="cpuforge-report", markdown=record.path("report").read_text(),
+                                 description="cpuforge: the evaluation report")
+    return finish_stage(record, ctx)

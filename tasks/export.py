@@ -1,0 +1,91 @@
+"""Stage 5, export: the recovered model -> one ONNX decoder graph with a KV cache.
+
+``model.onnx`` takes ``input_ids`` and the past keys/values per layer (a past of length 0 is
+a plain forward pass) and returns logits and the present keys/values, with dynamic batch,
+sequence and past length (models/onnx_export.py). It carries the model config and the
+tokenizer as metadata, so the file alone is enough to generate text.
+
+The stage then proves the file: ``onnx.checker``, logits against PyTorch on real validation
+windows (max abs difference, argmax agreement), and greedy generation with the KV cache in
+onnxruntime against PyTorch's, token for token. It fails when either is off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.states import State
+from tokenizers import Tokenizer
+
+from models.checkpoint import load_model
+from models.onnx_export import META_EOD, META_TOKENIZER, export_decoder
+from models.runtime import TorchDecoder, generate, load_language_model
+from tasks.config import Config
+from tasks.data import open_shards, val_batches
+from tasks.errors import ModelError
+from tasks.publish import finish_stage
+from tasks.stage import StageContext, StageOutput, StageSpec, run_stage
+from tasks.store import StageRecord
+
+log = logging.getLogger("cpuforge.export")
+
+SPEC = StageSpec(name="export", version="1", sections=("export",))
+PARITY_BATCHES = 2
+PARITY_PROMPTS = 4
+
+
+def export(cfg: Config, tokenized: StageRecord, recovered: StageRecord, out_dir: Path) -> StageOutput:
+    started = time.perf_counter()
+    model_dir = recovered.path("model")
+    model = load_model(model_dir)
+    shards = open_shards(Path(tokenized.output_dir), model.cfg.block_size)
+    # Compact JSON: the pretty-printed file is twice the size, and it travels inside the model file.
+    metadata = {META_TOKENIZER: Tokenizer.from_file(str(model_dir / "tokenizer.json")).to_str(),
+                META_EOD: str(shards.eod_id)}
+    path = out_dir / "model.onnx"
+    export_decoder(model, path, cfg.export.opset, cfg.export.exporter, metadata)
+    export_seconds = time.perf_counter() - started
+
+    onnx_lm = load_language_model(path)
+    torch_decoder = TorchDecoder(model)
+    batches = val_batches(shards.val, PARITY_BATCHES, 8, model.cfg.block_size)
+    diff, agree, total = 0.0, 0, 0
+    for x, _ in batches:
+        ref, got = torch_decoder.logits(x.numpy()), onnx_lm.decoder.logits(x.numpy())
+        diff = max(diff, float(np.abs(ref - got).max()))
+        agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+        total += ref.shape[0] * ref.shape[1]
+    n_new = min(cfg.eval.decode_tokens, model.cfg.block_size // 2)
+    prompts = [batches[0][0][i, :8].tolist() for i in range(PARITY_PROMPTS)]
+    matches = sum(list(generate(torch_decoder, p, n_new)) == list(generate(onnx_lm.decoder, p, n_new)) for p in prompts)
+    metrics = {
+        "opset": cfg.export.opset, "file_bytes": path.stat().st_size, "export_seconds": round(export_seconds, 2),
+        "parity_max_abs_diff": float(f"{diff:.3g}"), "parity_argmax_agreement": round(agree / total, 5),
+        "parity_tokens": total, "generation_match": round(matches / len(prompts), 4),
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    log.info("exported %s (%.2f MB): max |logit diff| %.2g vs PyTorch, argmax agreement %.4f, "
+             "greedy generations identical %d/%d", path.name, metrics["file_bytes"] / 1e6, diff,
+             metrics["parity_argmax_agreement"], matches, len(prompts))
+    if diff > cfg.export.parity_atol:
+        raise ModelError(f"the ONNX model's logits differ from PyTorch's by up to {diff:.3g} on validation "
+                         f"windows, above export.parity_atol={cfg.export.parity_atol:g}; try "
+                         f"export.exporter={'torchscript' if cfg.export.exporter == 'dynamo' else 'dynamo'}")
+    if matches < len(prompts):
+        raise ModelError(f"greedy generation with the ONNX KV cache differs from PyTorch's on "
+                         f"{len(prompts) - matches} of {len(prompts)} prompts: the exported cache is wrong")
+    return StageOutput(metrics=metrics, files={"onnx": "model.onnx"}, artifacts=["model.onnx"],
+                       info={"exporter": cfg.export.exporter, "torch": torch.__version__})
+
+
+@task(name="export", cache_policy=NO_CACHE)
+def export_task(ctx: StageContext, tokenize: StageRecord, recover: StageRecord) -> State:
+    record = run_stage(SPEC, ctx, lambda out_dir, run_id: export(ctx.cfg, tokenize, recover, out_dir),
+                       inputs={"tokenize": tokenize, "recover": recover})
+    return finish_stage(record, ctx)

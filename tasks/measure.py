@@ -1,0 +1,24 @@
+"""`python -m tasks.measure ARGS.json RESULT.json`: measure one model variant in a process of its own.
+
+A fresh interpreter (not a multiprocessing child, which would inherit the parent's sys.path,
+polluted by onnxruntime.quantization with a folder holding another package named `models`),
+so the peak RSS it reports belongs to this variant alone.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from models.fileio import atomic_write_json
+from tasks.scoring import measure_variant
+
+
+def main(args_path: str, result_path: str) -> None:
+    kwargs = json.loads(Path(args_path).read_text())
+    atomic_write_json(Path(result_path), measure_variant(**kwargs))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

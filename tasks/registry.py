@@ -1,0 +1,215 @@
+"""The MLflow model registry: the final int8 ONNX model as a registered version, and the
+champion gate.
+
+Every pipeline run registers its final model (once per distinct model: a rerun that reuses
+the quantize stage reuses its version) and points the alias ``candidate`` at it. The alias
+``champion`` moves to it only when there is no champion yet, or when it has fewer bits per
+byte than the current champion on the same validation text, each model reading that text
+with its own tokenizer (so the comparison holds across tokenizers). The decision and its
+reason are logged on the ``register`` run, tagged on the version, and returned for the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.context import TaskRunContext
+
+from models.onnx_export import input_names, output_names
+from models.runtime import LanguageModel, ModelLoadError, load_language_model
+from tasks import tracking
+from tasks.errors import DataError, ModelError
+from tasks.scoring import Score, score_text
+from tasks.stage import StageContext
+from tasks.store import StageRecord
+
+log = logging.getLogger("cpuforge.registry")
+
+CANDIDATE, CHAMPION = "candidate", "champion"
+TAG_SOURCE_KEY = "cpuforge.quantize_key"
+TAG_VAL_BPB = "cpuforge.val_bpb"  # as the evaluate stage measured it on its val tokens
+TAG_DECISION = "cpuforge.gate_decision"
+TAG_REASON = "cpuforge.gate_reason"
+
+
+def gate_text(tokenized: StageRecord, lm: LanguageModel, max_tokens: int) -> str:
+    """The validation text every contender is scored on: the first max_tokens val tokens, as text."""
+    val = np.memmap(Path(tokenized.output_dir) / "val.bin", mode="r",
+                    dtype=np.dtype(_meta_dtype(tokenized)))[: max_tokens + 1]
+    return lm.tokenizer.decode(np.asarray(val).tolist(), skip_special_tokens=False)
+
+
+def _meta_dtype(tokenized: StageRecord) -> str:
+    return json.loads((Path(tokenized.output_dir) / "meta.json").read_text())["dtype"]
+
+
+def signature_and_example(lm: LanguageModel):
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import Schema, TensorSpec
+
+    cfg = lm.cfg
+    past_shape = (-1, cfg.n_kv_head, -1, cfg.head_dim)
+    names_in, names_out = input_names(cfg.n_layer), output_names(cfg.n_layer)
+    inputs = Schema([TensorSpec(np.dtype(np.int64), (-1, -1), names_in[0])] +
+                    [TensorSpec(np.dtype(np.float32), past_shape, n) for n in names_in[1:]])
+    outputs = Schema([TensorSpec(np.dtype(np.float32), (-1, -1, cfg.vocab_size), names_out[0])] +
+                     [TensorSpec(np.dtype(np.float32), past_shape, n) for n in names_out[1:]])
+    # One decoding step with a real KV cache (that of a short prompt): a zero-length past, the
+    # prefill case, would not survive the example's JSON form.
+    prompt = lm.encode("def main():")[: cfg.block_size - 2] or [0]
+    logits, past = lm.decoder.prefill(np.array([prompt], dtype=np.int64))
+    next_token = np.array([[int(logits[0].argmax())]], dtype=np.int64)
+    example = {names_in[0]: next_token, **{n: np.asarray(t) for n, t in zip(names_in[1:], past)}}
+    return ModelSignature(inputs=inputs, outputs=outputs), example
+
+
+def decide(candidate: Score, champion: Score | None, champion_version: str | None,
+           champion_error: str | None) -> tuple[bool, str]:
+    """(promote?, why) — the champion gate, as a pure function of the two scores."""
+    if champion_version is None:
+        return True, "there is no champion yet"
+    if champion is None:
+        return False, f"the champion (version {champion_version}) could not be scored on this validation set " \
+                      f"({champion_error}); it stays champion"
+    if candidate.val_bpb < champion.val_bpb:
+        return True, (f"{candidate.val_bpb:.4f} bits per byte beats champion version {champion_version}'s "
+                      f"{champion.val_bpb:.4f} on the same validation text")
+    return False, (f"{candidate.val_bpb:.4f} bits per byte does not beat champion version {champion_version}'s "
+                   f"{champion.val_bpb:.4f} on the same validation text; it stays champion")
+
+
+def _alias_version(client, name: str, alias: str) -> str | None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return str(client.get_model_version_by_alias(name, alias).version)
+    except MlflowException:
+        return None
+
+
+def fetch_registered(uri: str, tracking_uri: str | None, dst: Path) -> Path:
+    """Download a `models:/NAME@alias` (or `models:/NAME/VERSION`, `runs:/...`) model to dst."""
+    mlflow = tracking._mlflow()
+    from mlflow.exceptions import MlflowException
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    if tracking_uri:  # models:/ URIs resolve through the global registry URI, whatever is passed below
+        mlflow.set_tracking_uri(tracking_uri)
+        mlflow.set_registry_uri(tracking_uri)
+    try:
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
+    except MlflowException as exc:
+        raise ModelError(f"cannot fetch {uri} from the MLflow store {tracking_uri}: {exc.message}") from None
+
+
+def register(ctx: StageContext, tokenized: StageRecord, quantized: StageRecord, evaluated: StageRecord) -> dict[str, Any]:
+    mlflow = tracking._mlflow()
+    client = mlflow.MlflowClient()
+    name = ctx.cfg.tracking.registered_model
+    onnx_path = quantized.path("onnx")
+    lm = load_language_model(onnx_path)
+    text = gate_text(tokenized, lm, ctx.cfg.eval.max_tokens)
+    candidate_score = score_text(lm, text)
+
+    with mlflow.start_run(run_name="register", nested=ctx.parent_run_id is not None,
+                          parent_run_id=ctx.parent_run_id, tags={tracking.TAG_STAGE: "register"}) as run:
+        existing = [v for v in client.search_model_versions(f"name='{name}'")
+                    if v.tags.get(TAG_SOURCE_KEY) == quantized.key]
+        if existing:
+            version = str(existing[0].version)
+            log.info("%s version %s already holds this model; reusing it", name, version)
+        else:
+            import onnx
+
+            signature, example = signature_and_example(lm)
+            info = mlflow.onnx.log_model(
+                onnx.load(str(onnx_path)), name="model", registered_model_name=name, signature=signature,
+                input_example=example, onnx_execution_providers=["CPUExecutionProvider"],
+                save_as_external_data=False,
+                metadata={"val_bpb": candidate_score.val_bpb, "params": lm.params, "file_bytes": lm.file_bytes})
+            version = str(info.registered_model_version)
+            client.set_model_version_tag(name, version, TAG_SOURCE_KEY, quantized.key)
+            client.set_model_version_tag(name, version, TAG_VAL_BPB, f"{evaluated.metrics['final_val_bpb']:.5f}")
+        client.set_registered_model_alias(name, CANDIDATE, version)
+
+        champion_version = _alias_version(client, name, CHAMPION)
+        champion_score, champion_error = None, None
+        if champion_version == version:
+            promote, reason = False, "this model is already the champion"
+        else:
+            if champion_version is not None:
+                try:
+                    with tempfile.TemporaryDirectory(prefix="cpuforge-champion-") as tmp:
+                        folder = fetch_registered(f"models:/{name}/{champion_version}", None, Path(tmp))
+                        champion_score = score_text(load_language_model(folder), text)
+                except (ModelLoadError, ModelError, DataError, ValueError) as exc:
+                    champion_error = str(exc)
+            promote, reason = decide(candidate_score, champion_score, champion_version, champion_error)
+            if promote:
+                client.set_registered_model_alias(name, CHAMPION, version)
+        decision = "promoted" if promote else "kept champion"
+        client.set_model_version_tag(name, version, TAG_DECISION, decision)
+        client.set_model_version_tag(name, version, TAG_REASON, reason)
+        metrics = {"candidate_val_bpb": candidate_score.val_bpb, "gate_bytes": candidate_score.bytes,
+                   "promoted": int(promote)}
+        if champion_score is not None:
+            metrics["champion_val_bpb"] = champion_score.val_bpb
+        mlflow.log_metrics(metrics)
+        mlflow.set_tags({TAG_DECISION: decision, TAG_REASON: reason, "cpuforge.model_version": version})
+        run_id = run.info.run_id
+
+    now_champion = _alias_version(client, name, CHAMPION)
+    log.info("registered %s version %s as %s: %s (%s)", name, version, CANDIDATE, decision, reason)
+    return {
+        "registered_model": name, "version": version, "model_uri": f"models:/{name}/{version}",
+        "champion_uri": f"models:/{name}@{CHAMPION}", "aliases": _aliases(client, name, version),
+        "champion_version": now_champion, "previous_champion_version": champion_version,
+        "decision": decision, "reason": reason, "candidate_val_bpb": candidate_score.val_bpb,
+        "champion_val_bpb": champion_score.val_bpb if champion_score else None, "mlflow_run_id": run_id,
+    }
+
+
+def _aliases(client, name: str, version: str) -> list[str]:
+    return sorted(client.get_model_version(name, version).aliases)
+
+
+def _markdown(result: dict[str, Any]) -> str:
+    return "\n".join([
+        f"### registry — {result['decision']}",
+        "",
+        f"- model: `{result['model_uri']}` (aliases: {', '.join(result['aliases']) or 'none'})",
+        f"- champion now: version {result['champion_version']} (`{result['champion_uri']}`)",
+        f"- why: {result['reason']}",
+        f"- candidate bits per byte on the gate text: {result['candidate_val_bpb']:.4f}",
+    ])
+
+
+@task(name="register", cache_policy=NO_CACHE)
+def register_task(ctx: StageContext, tokenize: StageRecord, quantize: StageRecord, evaluate: StageRecord) -> dict[str, Any]:
+    result = register(ctx, tokenize, quantize, evaluate)
+    if TaskRunContext.get() is not None:
+        create_markdown_artifact(key="cpuforge-registry", markdown=_markdown(result),
+                                 description="cpuforge: the registered model and the champion gate's decision")
+    return result
+
+
+def open_model(spec: str, tracking_uri: str | None = None) -> LanguageModel:
+    """A model by path (model folder, .onnx file, stage output) or by MLflow URI (models:/NAME@alias,
+    models:/NAME/VERSION, runs:/RUN/PATH), ready to run; ModelError says what is wrong."""
+    try:
+        if spec.startswith(("models:/", "runs:/")):
+            with tempfile.TemporaryDirectory(prefix="cpuforge-model-") as tmp:
+                # onnxruntime reads the whole file when the session is made: the download can go afterwards.
+                return load_language_model(fetch_registered(spec, tracking_uri, Path(tmp)))
+        return load_language_model(Path(spec))
+    except ModelLoadError as exc:
+        raise ModelError(str(exc)) from None
