@@ -31,6 +31,7 @@ TAG_PROFILE = "cpuforge.profile"
 # value once, before we ever set it; otherwise a second run in this process would inherit
 # the first run's store.
 _USER_TRACKING_URI = os.environ.get("MLFLOW_TRACKING_URI")
+_USER_REGISTRY_URI = os.environ.get("MLFLOW_REGISTRY_URI")
 
 
 def _mlflow():
@@ -60,6 +61,7 @@ def setup(cfg: Config, workdir: Path) -> tuple[str, str]:
     mlflow = _mlflow()
     uri = tracking_uri(cfg, workdir)
     mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(_USER_REGISTRY_URI or uri)  # models are registered next to their runs by default
     experiment = mlflow.get_experiment_by_name(cfg.tracking.experiment)
     if experiment is None:
         # With the embedded store, keep artifacts next to the database, not in the current folder.

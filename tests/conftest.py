@@ -18,6 +18,7 @@ os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.pop("MLFLOW_TRACKING_URI", None)
+os.environ.pop("MLFLOW_REGISTRY_URI", None)
 
 WORDS = (
     "the model reads text and learns to predict the next token from bytes merges vocabulary "

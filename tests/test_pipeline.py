@@ -55,8 +55,8 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
                  "vocab_size", "tokens_per_s"):
         assert tok["metrics"][name] > 0
     assert (workdir / "runs" / first["run_id"] / "summary.json").is_file()
-    stages = ("tokenize", "pretrain", "prune", "recover")
-    assert prefect_task_states(first["run_id"]) == {name: "Completed" for name in stages}
+    stages = ("tokenize", "pretrain", "prune", "recover", "export", "quantize", "evaluate")
+    assert prefect_task_states(first["run_id"]) == {name: "Completed" for name in (*stages, "register")}
     assert list(first["stages"]) == list(stages)
 
     pre = first["stages"]["pretrain"]
@@ -93,35 +93,78 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
     assert {"model/model.safetensors", "model/config.json", "model/tokenizer.json"} <= {
         a.path for a in client.list_artifacts(train_run.info.run_id, "model")}
 
+    check_deploy_stages(first, client, workdir)
+
     code, second = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}")
     assert code == 0
     again = second["stages"]["tokenize"]
     assert again["status"] == "cached" and again["output_dir"] == tok["output_dir"]
     assert again["metrics"] == tok["metrics"]
     assert {v["status"] for v in second["stages"].values()} == {"cached"}
-    assert prefect_task_states(second["run_id"]) == {name: "Cached" for name in stages}
+    assert prefect_task_states(second["run_id"]) == {**{name: "Cached" for name in stages}, "register": "Completed"}
     cached_runs = {r.data.tags["cpuforge.stage"]: r for r in client.search_runs(
         [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{second['mlflow_run_id']}'")}
-    assert set(cached_runs) == set(stages)
+    assert set(cached_runs) == {*stages, "register"}  # the champion gate runs every time
     assert cached_runs["tokenize"].data.tags["cpuforge.cached"] == "true"
     assert cached_runs["tokenize"].data.tags["cpuforge.source_run_id"] == tok["mlflow_run_id"]
     assert cached_runs["pretrain"].data.tags["cpuforge.source_run_id"] == pre["mlflow_run_id"]
 
+    assert second["registry"]["version"] == "1" and second["registry"]["decision"] == "kept champion"
+    assert second["registry"]["reason"] == "this model is already the champion"
+
     # A later stage's settings leave earlier stages cached; a stage's own settings re-run it and what follows.
     code, later = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}", "--set", "prune.keep_ratio=0.6")
-    assert code == 0 and [later["stages"][n]["status"] for n in stages] == ["cached", "cached", "completed", "completed"]
+    assert code == 0 and [later["stages"][n]["status"] for n in stages] == ["cached"] * 2 + ["completed"] * 5
+    gate = later["registry"]
+    assert gate["version"] == "2" and gate["previous_champion_version"] == "1"
+    assert gate["champion_val_bpb"] is not None  # the old champion was scored on the same text
+    assert (gate["decision"] == "promoted") == (gate["candidate_val_bpb"] < gate["champion_val_bpb"])
+    assert gate["champion_version"] == ("2" if gate["decision"] == "promoted" else "1")
+    assert str(client.get_model_version_by_alias("cpuforge-lm", "candidate").version) == "2"
     code, later = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}", "--set", "model.n_layer=3")
     assert code == 0 and later["stages"]["tokenize"]["status"] == "cached"
     assert later["stages"]["pretrain"]["status"] == "completed"
-    code, changed = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}", "--set", "tokenizer.vocab_size=400")
-    assert code == 0 and changed["stages"]["tokenize"]["status"] == "completed"
-    assert changed["stages"]["pretrain"]["status"] == "completed"
-    assert changed["stages"]["tokenize"]["output_dir"] != tok["output_dir"]
 
     # New data changes the source fingerprint and so the key.
     (text_corpus / "new.txt").write_text("a brand new document\n" * 50)
     code, grown = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}")
     assert code == 0 and grown["stages"]["tokenize"]["status"] == "completed"
+    assert grown["stages"]["tokenize"]["output_dir"] != tok["output_dir"]
+    assert {grown["stages"][n]["status"] for n in stages[1:]} == {"completed"}  # new tokens: all retrained
+
+
+def check_deploy_stages(summary: dict, client, workdir: Path) -> None:
+    """export -> quantize -> evaluate -> register, as a user sees them in the summary and in MLflow."""
+    exported, quantized, evaluated = (summary["stages"][n] for n in ("export", "quantize", "evaluate"))
+    assert exported["metrics"]["parity_max_abs_diff"] < 1e-3 and exported["metrics"]["generation_match"] == 1.0
+    assert quantized["metrics"]["int8_bytes"] < quantized["metrics"]["fp32_bytes"] / 2.5
+    variants = evaluated["variants"]
+    assert [v["variant"] for v in variants] == ["pretrained", "pruned", "recovered", "onnx-fp32", "onnx-int8"]
+    for v in variants:
+        assert {"variant", "params", "file_bytes", "val_bpb", "ppl", "prefill_tok_s", "decode_tok_s"} <= set(v)
+        assert v["val_bpb"] > 0 and v["prefill_tok_s"] > 0 and v["decode_tok_s"] > 0 and v["peak_rss_mb"] > 0
+    by_name = {v["variant"]: v for v in variants}
+    assert by_name["onnx-int8"]["params"] == by_name["recovered"]["params"] < by_name["pretrained"]["params"]
+    assert by_name["onnx-fp32"]["val_bpb"] == pytest.approx(by_name["recovered"]["val_bpb"], rel=1e-3)
+    assert evaluated["metrics"]["size_ratio"] > 3 and evaluated["metrics"]["final_val_bpb"] == by_name["onnx-int8"]["val_bpb"]
+    out = Path(evaluated["output_dir"])
+    assert "| onnx-int8 | onnx |" in (out / "report.md").read_text()
+    assert (out / "quality_vs_size_speed.png").stat().st_size > 10_000
+    eval_run = client.get_run(evaluated["mlflow_run_id"])
+    assert eval_run.data.metrics["onnx-int8/val_bpb"] == by_name["onnx-int8"]["val_bpb"]
+    assert {"variants_table.json", "report.md", "quality_vs_size_speed.png"} <= {
+        a.path for a in client.list_artifacts(eval_run.info.run_id)}
+
+    registry = summary["registry"]
+    assert registry["version"] == "1" and registry["decision"] == "promoted"
+    assert registry["aliases"] == ["candidate", "champion"] and registry["reason"] == "there is no champion yet"
+    version = client.get_model_version_by_alias("cpuforge-lm", "champion")
+    assert str(version.version) == "1" and version.tags["cpuforge.gate_decision"] == "promoted"
+    from tasks.registry import open_model
+
+    champion = open_model("models:/cpuforge-lm@champion", f"sqlite:///{workdir}/mlflow.db")
+    assert champion.kind == "onnx" and champion.params == by_name["onnx-int8"]["params"]
+    assert "".join(champion.stream("The model", 8, temperature=0.0))  # generates text from the registry
 
 
 def test_a_failing_stage_fails_the_runs_and_leaves_nothing_finished(tmp_path, prefect_server, capsys):
@@ -155,17 +198,36 @@ def test_bad_config_is_rejected_before_any_work(tmp_path, capsys):
 
 def test_console_script_on_the_embedded_corpus(tmp_path):
     """`cpuforge run --profile tiny` exactly as a user types it, in a fresh process."""
-    # In-process runs above leave MLFLOW_TRACKING_URI in os.environ (mlflow sets it); a user's shell has none.
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"} | {"PREFECT_HOME": str(tmp_path / "prefect")}
+    # In-process runs above leave MLFLOW_*_URI in os.environ (mlflow sets them); a user's shell has none.
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")} | {
+        "PREFECT_HOME": str(tmp_path / "prefect")}
     exe = Path(sys.executable).with_name("cpuforge")
     proc = subprocess.run([str(exe), "run", "--profile", "tiny", "--summary", "s.json"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["stages"]["tokenize"]["status"] == "completed"
-    assert [v["status"] for v in summary["stages"].values()] == ["completed"] * 4
+    assert [v["status"] for v in summary["stages"].values()] == ["completed"] * 7
     assert (tmp_path / "cpuforge-runs" / "mlflow.db").is_file()
     assert "tokenize" in proc.stdout and "mlflow ui --backend-store-uri" in proc.stdout
+    # The registered champion, by URI, from the default store in ./cpuforge-runs: generate and evaluate.
+    gen = subprocess.run([str(exe), "generate", "--model", "models:/cpuforge-lm@champion", "--prompt", "def ",
+                          "--max-new-tokens", "20", "--seed", "0"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    assert gen.stdout.startswith("def ") and len(gen.stdout) > len("def \n")
+    text = tmp_path / "unseen.txt"
+    text.write_text("class Stack:\n    def push(self, item):\n        self.items.append(item)\n" * 20)
+    ev = subprocess.run([str(exe), "evaluate", "--model", "models:/cpuforge-lm@champion", "--text", str(text), "--json"],
+                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    scored = json.loads(ev.stdout)
+    assert scored["format"] == "onnx" and 0 < scored["val_bpb"] < 8 and 0 < len(text.read_bytes()) - scored["bytes"] <= 8
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    bad_text = subprocess.run([str(exe), "evaluate", "--model", "models:/cpuforge-lm@champion", "--text", str(empty)],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert bad_text.returncode == 2 and bad_text.stderr.strip() == "error: the text is empty: nothing to score"
     bad = subprocess.run([str(exe), "run", "--set", "data.source=/no/such/dir"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr

@@ -1,0 +1,83 @@
+"""The deployable model against where it started: final int8 ONNX vs the unpruned PyTorch fp32 model.
+
+    cpuforge run --profile demo --summary demo.json
+    python benchmarks/deploy_speedup.py demo.json [--rounds 5]
+
+Both models are loaded in this one process and timed alternately, round after round, with
+the same threads and the same random full-context batches; each figure is the best round
+(noise on a shared machine only ever slows a round down). Quality: bits per byte of both on
+the same validation tokens (the evaluate stage's). Goal at demo scale: prefill tokens/s at
+least 4x, file at least 6x smaller, bits per byte within 10% of the unpruned model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from models.runtime import load_language_model
+from tasks.config import load_config
+from tasks.data import open_shards, token_byte_lengths
+from tasks.hardware import available_cores, cpu_model, int8_dot_product
+from tasks.scoring import decode_tokens_per_s, prefill_tokens_per_s, score_tokens
+
+GOALS = {"prefill_speedup": 4.0, "size_ratio": 6.0, "bpb_increase_pct": 10.0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("summary", help="summary JSON of a cpuforge run that went through quantize")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating timing rounds per batch size")
+    args = parser.parse_args()
+
+    summary = json.loads(Path(args.summary).read_text())
+    stages = summary["stages"]
+    cfg = load_config(summary["profile"])
+    threads = available_cores()
+    torch.set_num_threads(threads)
+    models = {"pytorch fp32 (unpruned)": load_language_model(Path(stages["pretrain"]["output_dir"]) / "model"),
+              "onnx int8 (final)": load_language_model(Path(stages["quantize"]["output_dir"]) / "model.int8.onnx",
+                                                       threads=threads)}
+    shards = open_shards(Path(stages["tokenize"]["output_dir"]), 2)
+    val = np.asarray(shards.val[: cfg.eval.max_tokens + 1])
+    lengths = token_byte_lengths(shards.tokenizer_path)
+
+    rows = {name: {"params": lm.params, "file_bytes": lm.file_bytes,
+                   "val_bpb": score_tokens(lm, val, lengths).val_bpb} for name, lm in models.items()}
+    for batch in cfg.eval.batch_sizes:
+        best = {name: 0.0 for name in models}
+        for _ in range(args.rounds):
+            for name, lm in models.items():
+                best[name] = max(best[name], prefill_tokens_per_s(lm, batch=batch, repeats=2))
+        for name in models:
+            rows[name][f"prefill_tok_s_b{batch}"] = round(best[name], 1)
+    for name, lm in models.items():
+        rows[name]["decode_tok_s"] = round(decode_tokens_per_s(lm, cfg.eval.decode_tokens), 1)
+
+    base, final = rows["pytorch fp32 (unpruned)"], rows["onnx int8 (final)"]
+    b0 = cfg.eval.batch_sizes[0]
+    result = {
+        "prefill_speedup": {f"b{b}": round(final[f"prefill_tok_s_b{b}"] / base[f"prefill_tok_s_b{b}"], 2)
+                            for b in cfg.eval.batch_sizes},
+        "decode_speedup": round(final["decode_tok_s"] / base["decode_tok_s"], 2),
+        "size_ratio": round(base["file_bytes"] / final["file_bytes"], 2),
+        "bpb_increase_pct": round(100 * (final["val_bpb"] / base["val_bpb"] - 1), 2),
+    }
+    met = {
+        "prefill_speedup": result["prefill_speedup"][f"b{b0}"] >= GOALS["prefill_speedup"],
+        "size_ratio": result["size_ratio"] >= GOALS["size_ratio"],
+        "bpb_increase_pct": result["bpb_increase_pct"] <= GOALS["bpb_increase_pct"],
+    }
+    print(f"CPU: {cpu_model()}, {threads} threads, int8 dot product: {int8_dot_product()}; "
+          f"{len(val) - 1:,} val tokens")
+    for name, row in rows.items():
+        print(f"{name:24s} " + "  ".join(f"{k}={v:,}" if isinstance(v, int) else f"{k}={v:g}" for k, v in row.items()))
+    print(json.dumps({"models": rows, "ratios": result, "goals": GOALS, "goal_met": met}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""From a trained model to a deployable one: ONNX export with a KV cache, int8 quantization, scoring,
+loading by path, the champion gate's rule, and clear errors for bad model files and text."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from models.checkpoint import load_model
+from models.onnx_export import META_CONFIG, read_metadata
+from models.runtime import ModelLoadError, OnnxDecoder, TorchDecoder, generate, load_language_model
+from tasks.config import load_config
+from tasks.data import open_shards, token_byte_lengths
+from tasks.errors import DataError
+from tasks.export import export
+from tasks.quantize import choose, quantize
+from tasks.registry import decide
+from tasks.scoring import Score, score_text, score_tokens
+from tasks.store import StageRecord
+from tasks.training_run import run_training
+from tests.test_pretrain import shards, spec_for  # noqa: F401  (module fixture)
+
+
+@pytest.fixture(scope="module")
+def trained(shards, tmp_path_factory) -> StageRecord:  # noqa: F811
+    out = tmp_path_factory.mktemp("trained")
+    run_training(spec_for(shards, out, "train.max_steps=60"))
+    return StageRecord(stage="recover", key="r", output_dir=str(out), files={"model": "model"})
+
+
+@pytest.fixture(scope="module")
+def tokenized(shards) -> StageRecord:  # noqa: F811
+    return StageRecord(stage="tokenize", key="t", output_dir=str(shards))
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tokenized, tmp_path_factory) -> tuple[StageRecord, dict]:
+    out = tmp_path_factory.mktemp("export")
+    result = export(load_config("tiny"), tokenized, trained, out)
+    return StageRecord(stage="export", key="e", output_dir=str(out), files=result.files), result.metrics
+
+
+@pytest.fixture(scope="module")
+def quantized(exported, tokenized, tmp_path_factory) -> tuple[StageRecord, dict]:
+    out = tmp_path_factory.mktemp("quantize")
+    result = quantize(load_config("tiny"), tokenized, exported[0], out)
+    return StageRecord(stage="quantize", key="q", output_dir=str(out), files=result.files), result.metrics
+
+
+def test_export_matches_pytorch_and_carries_what_generation_needs(exported, trained):
+    record, metrics = exported
+    assert metrics["parity_max_abs_diff"] < 1e-3 and metrics["parity_argmax_agreement"] > 0.999
+    assert metrics["generation_match"] == 1.0
+    onnx.checker.check_model(str(record.path("onnx")))
+    meta = read_metadata(record.path("onnx"))
+    assert {"cpuforge.config", "cpuforge.tokenizer", "cpuforge.eod_id"} <= set(meta)
+
+    model = load_model(trained.path("model"))
+    torch_dec, onnx_dec = TorchDecoder(model), OnnxDecoder(record.path("onnx"), model.cfg)
+    # Dynamic batch and sequence: shapes never seen at export time.
+    for shape in ((1, 5), (3, 17), (2, model.cfg.block_size)):
+        ids = np.random.default_rng(0).integers(0, model.cfg.vocab_size, size=shape)
+        assert np.abs(torch_dec.logits(ids) - onnx_dec.logits(ids)).max() < 1e-4
+    # The KV cache: prefill then steps, against PyTorch's own cached decoding.
+    prompt = [5, 9, 13, 2]
+    assert list(generate(onnx_dec, prompt, 20)) == list(generate(torch_dec, prompt, 20))
+    gen = torch.Generator().manual_seed(0)
+    sampled = list(generate(onnx_dec, prompt, 20, temperature=1.0, top_k=10, generator=gen))
+    assert len(sampled) == 20 and all(0 <= t < model.cfg.vocab_size for t in sampled)
+
+
+def test_tied_embedding_is_stored_once(exported, trained):
+    record, _ = exported
+    cfg = load_model(trained.path("model")).cfg
+    table = cfg.vocab_size * cfg.d_model
+    sizes = [int(np.prod(i.dims)) for i in onnx.load(str(record.path("onnx"))).graph.initializer]
+    assert sizes.count(table) == 1
+
+
+def test_int8_model_is_smaller_keeps_quality_and_still_generates(quantized, exported, tokenized):
+    record, metrics = quantized
+    assert metrics["size_ratio"] > 2.5  # tiny: norms and the tokenizer weigh more than at demo scale
+    assert metrics["bpb_increase_pct"] < 2.0
+    assert {"dynamic-qint8/val_bpb", "dynamic-quint8/val_bpb", "static-qdq/val_bpb"} <= set(metrics)
+    kept = (Path(record.output_dir) / "model.int8.onnx").read_bytes()
+    assert any(kept == p.read_bytes() for p in (Path(record.output_dir) / "candidates").glob("*.onnx"))
+    assert "| fp32 |" in (Path(record.output_dir) / "quantize_report.md").read_text()
+    lm = load_language_model(record.path("onnx"))
+    assert lm.kind == "onnx" and lm.file_bytes == metrics["int8_bytes"]
+    text = "".join(lm.stream("The model", 12, temperature=0.0))
+    assert isinstance(text, str)
+    fp32 = load_language_model(exported[0].path("onnx"))
+    shards = open_shards(Path(tokenized.output_dir), lm.cfg.block_size)
+    val = np.asarray(shards.val[:2049])
+    lengths = token_byte_lengths(shards.tokenizer_path)
+    assert score_tokens(lm, val, lengths).val_bpb == pytest.approx(score_tokens(fp32, val, lengths).val_bpb, rel=0.02)
+
+
+def test_scores_agree_across_formats_and_match_a_direct_computation(trained, exported, tokenized):
+    torch_lm = load_language_model(Path(trained.output_dir))  # a stage folder resolves to its model/
+    onnx_lm = load_language_model(exported[0].path("onnx"))
+    shards = open_shards(Path(tokenized.output_dir), 64)
+    tokens = np.asarray(shards.val[:300])  # 4 full windows and a partial one
+    lengths = token_byte_lengths(shards.tokenizer_path)
+    got = score_tokens(torch_lm, tokens, lengths)
+    model = load_model(trained.path("model"))
+    nll = 0.0
+    with torch.no_grad():
+        for start in range(0, 299, 64):
+            x = torch.from_numpy(tokens[start:min(start + 64, 299)].astype(np.int64))[None]
+            y = torch.from_numpy(tokens[start + 1:min(start + 65, 300)].astype(np.int64))[None]
+            nll += torch.nn.functional.cross_entropy(model(x)[0][0], y[0], reduction="sum").item()
+    assert got.tokens == 299 and got.bytes == int(lengths[tokens[1:]].sum())
+    assert got.val_bpb == pytest.approx(nll / np.log(2) / got.bytes, rel=1e-4)
+    assert score_tokens(onnx_lm, tokens, lengths).val_bpb == pytest.approx(got.val_bpb, rel=1e-4)
+    text = "The model reads text and learns to predict the next token.\n" * 10
+    assert score_text(torch_lm, text).val_bpb == pytest.approx(score_text(onnx_lm, text).val_bpb, rel=1e-4)
+    with pytest.raises(DataError, match="empty"):
+        score_text(torch_lm, "  \n")
+
+
+def test_bad_model_files_say_what_is_wrong(exported, trained, tmp_path):
+    with pytest.raises(ModelLoadError, match="model not found"):
+        load_language_model(tmp_path / "nope")
+    truncated = tmp_path / "truncated.onnx"
+    truncated.write_bytes(exported[0].path("onnx").read_bytes()[:4000])
+    with pytest.raises(ModelLoadError, match="not a readable ONNX model"):
+        load_language_model(truncated)
+    no_tokenizer = tmp_path / "no-tokenizer"
+    shutil.copytree(trained.path("model"), no_tokenizer)
+    (no_tokenizer / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError, match="no tokenizer.json"):
+        load_language_model(no_tokenizer)
+    foreign = onnx.load(str(exported[0].path("onnx")))
+    del foreign.metadata_props[:]
+    onnx.save(foreign, str(tmp_path / "foreign.onnx"))
+    with pytest.raises(ModelLoadError, match=f"no {META_CONFIG}"):
+        load_language_model(tmp_path / "foreign.onnx")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="holds no model"):
+        load_language_model(tmp_path / "empty")
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(trained.path("model"), corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"\0" * 64)
+    with pytest.raises(ModelLoadError):
+        load_language_model(corrupt)
+    lm = load_language_model(trained.path("model"))
+    with pytest.raises(ValueError, match="context is 64 tokens"):
+        list(lm.stream("word " * 200, 5))
+
+
+def test_quantized_variant_rule():
+    results = {"a": {"val_bpb": 2.00, "prefill_tok_s": 100.0}, "b": {"val_bpb": 2.01, "prefill_tok_s": 150.0},
+               "c": {"val_bpb": 2.30, "prefill_tok_s": 500.0}}
+    assert choose(results, fp32_bpb=2.0, max_increase=0.01)[0] == "b"  # fastest within 1%
+    assert choose(results, fp32_bpb=2.0, max_increase=0.0)[0] == "a"
+    name, why = choose({"c": results["c"]}, fp32_bpb=2.0, max_increase=0.01)
+    assert name == "c" and "most accurate" in why
+
+
+def test_champion_gate_promotes_only_a_better_model():
+    better, worse = Score(1.9, 5.0, 1.5, 100, 300), Score(2.1, 6.0, 1.6, 100, 300)
+    assert decide(better, None, None, None)[0] is True  # no champion yet
+    promote, why = decide(better, worse, "3", None)
+    assert promote is True and "1.9000" in why and "2.1000" in why
+    promote, why = decide(worse, better, "3", None)
+    assert promote is False and "version 3" in why
+    promote, why = decide(better, None, "3", "cannot be read")
+    assert promote is False and "cannot be read" in why
+
