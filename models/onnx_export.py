@@ -66,9 +66,9 @@ def empty_past(model_cfg, batch: int) -> list[torch.Tensor]:
     return [torch.zeros(shape) for _ in range(2 * model_cfg.n_layer)]
 
 
-def export_decoder(model: Llama, path: Path, opset: int, exporter: str,
-                   metadata: dict[str, str] | None = None) -> None:
-    """Write the decoder graph to ``path`` (checked with onnx.checker), with metadata attached."""
+def export_decoder(model: Llama, path: Path, opset: int, metadata: dict[str, str] | None = None) -> None:
+    """Write the decoder graph to ``path`` with torch.onnx's dynamo exporter (checked with
+    onnx.checker), with metadata attached."""
     cfg = model.cfg
     model = model.eval()
     wrapper = CachedDecoder(model).eval()
@@ -79,22 +79,13 @@ def export_decoder(model: Llama, path: Path, opset: int, exporter: str,
     tmp = path.with_name(path.name + ".tmp")
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # e.g. "torchvision is not installed" per op
     with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the exporters are chatty about deprecated internals
-        if exporter == "dynamo":
-            batch, seq, past_len = (torch.export.Dim(n) for n in ("batch", "seq", "past"))
-            shapes = [{0: batch, 1: seq}] + [{0: batch, 2: past_len}] * len(past)
-            program = torch.onnx.export(wrapper, (ids, *past), dynamo=True, opset_version=opset,
-                                        input_names=names_in, output_names=names_out,
-                                        dynamic_shapes=(shapes[0], tuple(shapes[1:])), optimize=True, verbose=False)
-            program.save(str(tmp))
-        else:
-            axes = {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
-            for name in names_in[1:]:
-                axes[name] = {0: "batch", 2: "past"}
-            for name in names_out[1:]:
-                axes[name] = {0: "batch", 2: "total"}
-            torch.onnx.export(wrapper, (ids, *past), str(tmp), dynamo=False, opset_version=opset,
-                              input_names=names_in, output_names=names_out, dynamic_axes=axes)
+        warnings.simplefilter("ignore")  # the exporter is chatty about deprecated internals
+        batch, seq, past_len = (torch.export.Dim(n) for n in ("batch", "seq", "past"))
+        shapes = [{0: batch, 1: seq}] + [{0: batch, 2: past_len}] * len(past)
+        program = torch.onnx.export(wrapper, (ids, *past), dynamo=True, opset_version=opset,
+                                    input_names=names_in, output_names=names_out,
+                                    dynamic_shapes=(shapes[0], tuple(shapes[1:])), optimize=True, verbose=False)
+        program.save(str(tmp))
     proto = onnx.load(str(tmp))
     if cfg.tie_embeddings:
         share_tied_embedding(proto)
@@ -116,8 +107,8 @@ def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
 
 
 def share_tied_embedding(proto: onnx.ModelProto) -> bool:
-    """Store a tied embedding once. The exporters keep the (vocab, d) table for the lookup and
-    fold a transposed (d, vocab) copy for the LM head; with the lookup rewritten to gather
+    """Store a tied embedding once. The exporter keeps the (vocab, d) table for the lookup and
+    folds a transposed (d, vocab) copy for the LM head; with the lookup rewritten to gather
     columns of the transposed copy, the table is stored (and later quantized) once."""
     graph = proto.graph
     gather = _embedding_gather(graph)
@@ -129,11 +120,8 @@ def share_tied_embedding(proto: onnx.ModelProto) -> bool:
     table = numpy_helper.to_array(inits[gather.input[0]])
     transposed = next((init for init in graph.initializer if list(init.dims) == [table.shape[1], table.shape[0]]
                        and np.array_equal(numpy_helper.to_array(init), table.T)), None)
-    if transposed is None:
-        _fold_head_transpose(graph, gather.input[0])
-        transposed = next((init for init in graph.initializer if init.name == gather.input[0] + "_t"), None)
-        if transposed is None:
-            return False
+    if transposed is None:  # not the layout the dynamo exporter writes: leave the graph as it is
+        return False
     embedding = gather.output[0]
     gather.input[0], gather.output[0] = transposed.name, embedding + "_columns"
     del gather.attribute[:]
@@ -143,20 +131,6 @@ def share_tied_embedding(proto: onnx.ModelProto) -> bool:
                                                name="tied_embedding_columns_to_rows"))
     _drop_unused_initializers(graph)
     return True
-
-
-def _fold_head_transpose(graph: onnx.GraphProto, table_name: str) -> None:
-    """Replace Transpose(table) feeding the LM head by a transposed initializer `<table>_t`."""
-    node = next((n for n in graph.node if n.op_type == "Transpose" and n.input[0] == table_name), None)
-    if node is None:
-        return
-    table = numpy_helper.to_array(next(i for i in graph.initializer if i.name == table_name))
-    graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(table.T), table_name + "_t"))
-    for other in graph.node:
-        for i, name in enumerate(other.input):
-            if name == node.output[0]:
-                other.input[i] = table_name + "_t"
-    graph.node.remove(node)
 
 
 def reshare_after_quantization(proto: onnx.ModelProto) -> None:

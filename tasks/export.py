@@ -49,7 +49,7 @@ def export(cfg: Config, tokenized: StageRecord, recovered: StageRecord, out_dir:
     metadata = {META_TOKENIZER: Tokenizer.from_file(str(model_dir / "tokenizer.json")).to_str(),
                 META_EOD: str(shards.eod_id)}
     path = out_dir / "model.onnx"
-    export_decoder(model, path, cfg.export.opset, cfg.export.exporter, metadata)
+    export_decoder(model, path, cfg.export.opset, metadata)
     export_seconds = time.perf_counter() - started
 
     onnx_lm = load_language_model(path)
@@ -75,13 +75,13 @@ def export(cfg: Config, tokenized: StageRecord, recovered: StageRecord, out_dir:
              metrics["parity_argmax_agreement"], matches, len(prompts))
     if diff > cfg.export.parity_atol:
         raise ModelError(f"the ONNX model's logits differ from PyTorch's by up to {diff:.3g} on validation "
-                         f"windows, above export.parity_atol={cfg.export.parity_atol:g}; try "
-                         f"export.exporter={'torchscript' if cfg.export.exporter == 'dynamo' else 'dynamo'}")
+                         f"windows, above export.parity_atol={cfg.export.parity_atol:g}: the exported graph is "
+                         f"wrong (try another export.opset)")
     if matches < len(prompts):
         raise ModelError(f"greedy generation with the ONNX KV cache differs from PyTorch's on "
                          f"{len(prompts) - matches} of {len(prompts)} prompts: the exported cache is wrong")
     return StageOutput(metrics=metrics, files={"onnx": "model.onnx"}, artifacts=["model.onnx"],
-                       info={"exporter": cfg.export.exporter, "torch": torch.__version__})
+                       info={"exporter": "torch.onnx dynamo", "torch": torch.__version__})
 
 
 @task(name="export", cache_policy=NO_CACHE)
