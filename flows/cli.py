@@ -191,6 +191,14 @@ def _print_summary(summary: dict[str, Any]) -> None:
         table.add_row(stage, entry["status"], _fmt(entry.get("seconds", 0)), metrics, entry.get("output_dir", ""))
     console = Console() if sys.stdout.isatty() else Console(width=160)
     console.print(table)
+    registry = summary.get("registry")
+    if registry:
+        console.print(f"registry: {registry['model_uri']} (aliases: {', '.join(registry['aliases']) or 'none'}) "
+                      f"{registry['decision']}: {registry['reason']}")
+        uri = summary.get("mlflow_tracking_uri") or ""
+        default = f"sqlite:///{(Path('cpuforge-runs') / 'mlflow.db').resolve()}"
+        store = "" if uri == default else f" --tracking-uri {uri}"
+        console.print(f"try it: cpuforge generate --model {registry['champion_uri']}{store} --prompt 'def '")
     console.print(f"summary: {Path(summary['run_dir']) / 'summary.json'}")
     uri = summary.get("mlflow_tracking_uri") or ""
     if uri.startswith("sqlite:"):
