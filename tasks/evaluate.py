@@ -108,7 +108,7 @@ def evaluate(cfg: Config, tokenized: StageRecord, paths: dict[str, Path], out_di
     atomic_write_json(out_dir / "variants.json", variants)
     report = report_markdown(variants, metrics, e.batch_sizes)
     atomic_write_text(out_dir / "report.md", report)
-    plot_variants(variants, out_dir / "quality_vs_size_speed.png")
+    plot_variants(variants, out_dir / "quality_vs_size_speed.png", e.batch_sizes[0])
     tracking.log_table(run_id, table_rows(variants), "variants_table.json")
     metrics["seconds"] = round(time.perf_counter() - started, 2)
     log.info("final model (%s): %.1fx smaller than the pretrained fp32 model, %.2fx its prefill speed (batch %s), "
@@ -163,20 +163,26 @@ def report_markdown(variants: list[dict[str, Any]], metrics: dict[str, Any], bat
     return "\n".join(lines)
 
 
-def plot_variants(variants: list[dict[str, Any]], path: Path) -> None:
+def plot_variants(variants: list[dict[str, Any]], path: Path, batch: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import ScalarFormatter
+
     fig, (size_ax, speed_ax) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for v in variants:
-        for ax, x in ((size_ax, v["file_bytes"] / 1e6), (speed_ax, v["prefill_tok_s"])):
-            ax.scatter(x, v["val_bpb"], s=40)
-            ax.annotate(v["variant"], (x, v["val_bpb"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    markers = "osD^v<>"
+    for i, v in enumerate(variants):  # one colour and marker per variant, same in both panels
+        style = dict(s=60, marker=markers[i % len(markers)], color=f"C{i}", label=v["variant"])
+        size_ax.scatter(v["file_bytes"] / 1e6, v["val_bpb"], **style)
+        speed_ax.scatter(v["prefill_tok_s"], v["val_bpb"], **style)
     size_ax.set_xscale("log")
+    size_ax.xaxis.set_major_formatter(ScalarFormatter())
+    size_ax.xaxis.set_minor_formatter(ScalarFormatter())
+    size_ax.legend(fontsize=8)
     size_ax.set_xlabel("file size (MB, log scale)")
-    speed_ax.set_xlabel("prefill tokens/s (batch 1, full context)")
+    speed_ax.set_xlabel(f"prefill tokens/s (batch {batch}, full context)")
     size_ax.set_ylabel("validation bits per byte (lower is better)")
     fig.suptitle("Quality against size and speed of every variant")
     fig.tight_layout()
