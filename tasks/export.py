@@ -38,6 +38,7 @@ log = logging.getLogger("cpuforge.export")
 SPEC = StageSpec(name="export", version="1", sections=("export",))
 PARITY_BATCHES = 2
 PARITY_PROMPTS = 4
+PARITY_NEW_TOKENS = 32  # greedy tokens compared per prompt (fixed: the stage's key holds only the export section)
 
 
 def export(cfg: Config, tokenized: StageRecord, recovered: StageRecord, out_dir: Path) -> StageOutput:
@@ -61,7 +62,7 @@ def export(cfg: Config, tokenized: StageRecord, recovered: StageRecord, out_dir:
         diff = max(diff, float(np.abs(ref - got).max()))
         agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
         total += ref.shape[0] * ref.shape[1]
-    n_new = min(cfg.eval.decode_tokens, model.cfg.block_size // 2)
+    n_new = min(PARITY_NEW_TOKENS, model.cfg.block_size // 2)
     prompts = [batches[0][0][i, :8].tolist() for i in range(PARITY_PROMPTS)]
     matches = sum(list(generate(torch_decoder, p, n_new)) == list(generate(onnx_lm.decoder, p, n_new)) for p in prompts)
     metrics = {

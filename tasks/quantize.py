@@ -41,6 +41,7 @@ log = logging.getLogger("cpuforge.quantize")
 
 SPEC = StageSpec(name="quantize", version="1", sections=("quantize",))
 CALIB_BATCH = 4
+CALIB_SEED = 2024  # fixed: the stage's key holds only the quantize section
 
 
 def candidate_methods(cfg: Config) -> list[str]:
@@ -54,7 +55,7 @@ def _calibration_reader(shards, cfg: Config, model_cfg):
     from onnxruntime.quantization import CalibrationDataReader
 
     names = input_names(model_cfg.n_layer)
-    sampler = BatchSampler(shards.train, CALIB_BATCH, model_cfg.block_size, seed=cfg.train.seed + 1)
+    sampler = BatchSampler(shards.train, CALIB_BATCH, model_cfg.block_size, seed=CALIB_SEED)
 
     class TrainBatches(CalibrationDataReader):
         def __init__(self) -> None:

@@ -57,6 +57,11 @@ class StageContext:
         return self.workdir / "cache"
 
 
+def stage_config(cfg: Config, spec: StageSpec) -> dict[str, Any]:
+    """The config sections that determine the stage's output: part of its key."""
+    return {s: getattr(cfg, s).model_dump(mode="json") for s in spec.sections}
+
+
 def stage_params(cfg: Config, spec: StageSpec) -> dict[str, Any]:
     """The stage's config sections, flattened to MLflow params ("section.key": value)."""
     params: dict[str, Any] = {}
@@ -74,8 +79,7 @@ def run_stage(
     extra_key: Any = None,
 ) -> StageRecord:
     inputs = inputs or {}
-    config = {s: getattr(ctx.cfg, s).model_dump(mode="json") for s in spec.sections}
-    key = stage_key(spec.name, spec.version, config, {n: r.key for n, r in inputs.items()}, extra_key)
+    key = stage_key(spec.name, spec.version, stage_config(ctx.cfg, spec), {n: r.key for n, r in inputs.items()}, extra_key)
     params = stage_params(ctx.cfg, spec)
     store = ctx.store
     started = time.perf_counter()

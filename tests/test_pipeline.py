@@ -121,9 +121,6 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
     assert (gate["decision"] == "promoted") == (gate["candidate_val_bpb"] < gate["champion_val_bpb"])
     assert gate["champion_version"] == ("2" if gate["decision"] == "promoted" else "1")
     assert str(client.get_model_version_by_alias("cpuforge-lm", "candidate").version) == "2"
-    code, later = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}", "--set", "model.n_layer=3")
-    assert code == 0 and later["stages"]["tokenize"]["status"] == "cached"
-    assert later["stages"]["pretrain"]["status"] == "completed"
 
     # New data changes the source fingerprint and so the key.
     (text_corpus / "new.txt").write_text("a brand new document\n" * 50)

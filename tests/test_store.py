@@ -55,3 +55,24 @@ def test_two_builders_of_the_same_stage_do_not_collide(tmp_path: Path):
         with pytest.raises(UserError, match="being built by another cpuforge process"):
             with store.building("tokenize", "d" * 64):
                 pass
+
+
+def test_a_setting_changes_the_config_of_only_the_stages_that_read_it():
+    """Which stages a changed setting re-runs (later stages follow through their inputs' keys)."""
+    from tasks import evaluate, export, pretrain, prune, quantize, recover, tokenize
+    from tasks.config import load_config
+    from tasks.stage import stage_config
+
+    specs = {m.SPEC.name: m.SPEC for m in (tokenize, pretrain, prune, recover, export, quantize, evaluate)}
+    base = load_config("tiny")
+
+    def changed(*overrides: str) -> set[str]:
+        cfg = load_config("tiny", overrides=list(overrides))
+        return {name for name, spec in specs.items() if stage_config(cfg, spec) != stage_config(base, spec)}
+
+    assert changed("model.n_layer=3") == {"pretrain"}
+    assert changed("prune.keep_ratio=0.6") == {"prune"}
+    assert changed("tokenizer.vocab_size=400") == {"tokenize"}
+    assert changed("train.lr=0.001") == {"pretrain", "recover"}  # recovery trains with the train section too
+    assert changed("quantize.method=dynamic") == {"quantize"}
+    assert changed("eval.max_tokens=2048") == {"evaluate"}
