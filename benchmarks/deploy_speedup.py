@@ -3,9 +3,11 @@
     cpuforge run --profile demo --summary demo.json
     python benchmarks/deploy_speedup.py demo.json [--rounds 5]
 
-Both models are loaded in this one process and timed alternately, round after round, with
-the same threads and the same random full-context batches; each figure is the best round
-(noise on a shared machine only ever slows a round down). Quality: bits per byte of both on
+Each timing round runs each model in a fresh process of its own (as deployed: one model per
+process; two runtimes' thread pools in one process spin against each other on a small
+machine), alternating the models round after round with the same threads and the same random
+full-context batches; each figure is the best round (noise on a shared machine only ever
+slows a round down). Quality: bits per byte of both on
 the same validation tokens (the evaluate stage's). Goal at demo scale: prefill tokens/s at
 least 4x, file at least 6x smaller, bits per byte within 10% of the unpruned model's.
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,36 +32,48 @@ from tasks.scoring import decode_tokens_per_s, prefill_tokens_per_s, score_token
 GOALS = {"prefill_speedup": 4.0, "size_ratio": 6.0, "bpb_increase_pct": 10.0}
 
 
+def time_one(path: str, batches: list[int], decode: int) -> None:
+    """Child mode: time one model alone in this process and print the figures as JSON."""
+    threads = available_cores()
+    torch.set_num_threads(threads)
+    lm = load_language_model(Path(path), threads=threads)
+    figures = {f"prefill_tok_s_b{b}": round(prefill_tokens_per_s(lm, batch=b, repeats=3), 1) for b in batches}
+    figures["decode_tok_s"] = round(decode_tokens_per_s(lm, decode), 1)
+    print(json.dumps(figures))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("summary", help="summary JSON of a cpuforge run that went through quantize")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating timing rounds per batch size")
+    parser.add_argument("summary", nargs="?", help="summary JSON of a cpuforge run that went through quantize")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (a process per model each)")
+    parser.add_argument("--time", help=argparse.SUPPRESS)  # child mode: the model to time
+    parser.add_argument("--batches", type=int, nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--decode", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.time:
+        return time_one(args.time, args.batches, args.decode)
+    if not args.summary:
+        parser.error("give the summary JSON of a cpuforge run")
 
     summary = json.loads(Path(args.summary).read_text())
     stages = summary["stages"]
     cfg = load_config(summary["profile"])
     threads = available_cores()
-    torch.set_num_threads(threads)
     models = {"pytorch fp32 (unpruned)": load_language_model(Path(stages["pretrain"]["output_dir"]) / "model"),
-              "onnx int8 (final)": load_language_model(Path(stages["quantize"]["output_dir"]) / "model.int8.onnx",
-                                                       threads=threads)}
+              "onnx int8 (final)": load_language_model(Path(stages["quantize"]["output_dir"]) / "model.int8.onnx")}
     shards = open_shards(Path(stages["tokenize"]["output_dir"]), 2)
     val = np.asarray(shards.val[: cfg.eval.max_tokens + 1])
     lengths = token_byte_lengths(shards.tokenizer_path)
 
     rows = {name: {"params": lm.params, "file_bytes": lm.file_bytes,
                    "val_bpb": score_tokens(lm, val, lengths).val_bpb} for name, lm in models.items()}
-    for batch in cfg.eval.batch_sizes:
-        best = {name: 0.0 for name in models}
-        for _ in range(args.rounds):
-            for name, lm in models.items():
-                best[name] = max(best[name], prefill_tokens_per_s(lm, batch=batch, repeats=2))
-        for name in models:
-            rows[name][f"prefill_tok_s_b{batch}"] = round(best[name], 1)
-    for name, lm in models.items():
-        rows[name]["decode_tok_s"] = round(decode_tokens_per_s(lm, cfg.eval.decode_tokens), 1)
-
+    for _ in range(args.rounds):
+        for name, lm in models.items():
+            timing = json.loads(subprocess.run(
+                [sys.executable, __file__, "--time", str(lm.path), "--batches", *map(str, cfg.eval.batch_sizes),
+                 "--decode", str(cfg.eval.decode_tokens)], capture_output=True, text=True, check=True).stdout)
+            for key, value in timing.items():
+                rows[name][key] = max(rows[name].get(key, 0.0), value)
     base, final = rows["pytorch fp32 (unpruned)"], rows["onnx int8 (final)"]
     b0 = cfg.eval.batch_sizes[0]
     result = {
