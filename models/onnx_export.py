@@ -61,9 +61,10 @@ class CachedDecoder(nn.Module):
         return (m.lm_head(m.norm(x)), *presents)
 
 
-def empty_past(model_cfg, batch: int) -> list[torch.Tensor]:
-    shape = (batch, model_cfg.n_kv_head, 0, model_cfg.head_dim)
-    return [torch.zeros(shape) for _ in range(2 * model_cfg.n_layer)]
+def empty_past(model_cfg, batch: int) -> list[np.ndarray]:
+    """The past keys/values of a plain forward pass (length 0), as onnxruntime feeds."""
+    empty = np.zeros((batch, model_cfg.n_kv_head, 0, model_cfg.head_dim), dtype=np.float32)
+    return [empty] * (2 * model_cfg.n_layer)
 
 
 def export_decoder(model: Llama, path: Path, opset: int, metadata: dict[str, str] | None = None) -> None:

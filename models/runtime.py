@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from models.checkpoint import CONFIG, WEIGHTS, CheckpointError, load_model
 from models.config import LlamaConfig, ModelConfigError
 from models.llama import Llama, config_param_count
-from models.onnx_export import META_CONFIG, META_EOD, META_TOKENIZER, input_names, output_names
+from models.onnx_export import META_CONFIG, META_EOD, META_TOKENIZER, empty_past, input_names, output_names
 
 TOKENIZER = "tokenizer.json"
 # Preferred when a folder holds several ONNX files: the deployable one first.
@@ -80,8 +80,7 @@ class OnnxDecoder:
     def _feeds(self, ids: np.ndarray, past: list[np.ndarray] | None) -> dict[str, np.ndarray]:
         ids = np.asarray(ids, dtype=np.int64)
         if past is None:
-            empty = np.zeros((ids.shape[0], self.cfg.n_kv_head, 0, self.cfg.head_dim), dtype=np.float32)
-            past = [empty] * len(self.past_names)
+            past = empty_past(self.cfg, ids.shape[0])
         return {"input_ids": ids, **dict(zip(self.past_names, past))}
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
@@ -209,10 +208,8 @@ def _load_torch(folder: Path) -> LanguageModel:
         raise ModelLoadError(f"{folder} has no {TOKENIZER}: the model cannot read or write text without the "
                              f"tokenizer it was trained with (copy it from the tokenize stage's output)")
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    extra = json.loads((folder / CONFIG).read_text())
-    eod = extra.get("eod_id")
-    return LanguageModel(TorchDecoder(model), tokenizer, eod if eod is not None else _eod_of(tokenizer),
-                         "pytorch", folder, (folder / WEIGHTS).stat().st_size)
+    return LanguageModel(TorchDecoder(model), tokenizer, _eod_of(tokenizer), "pytorch", folder,
+                         (folder / WEIGHTS).stat().st_size)
 
 
 def _load_onnx(path: Path, threads: int | None) -> LanguageModel:

@@ -32,7 +32,6 @@ from prefect.states import State
 from models.fileio import atomic_write_json, atomic_write_text
 from tasks import tracking
 from tasks.config import Config
-from tasks.data import open_shards
 from tasks.hardware import available_cores
 from tasks.publish import finish_stage
 from tasks.reports import SAMPLE_SEED
@@ -73,13 +72,11 @@ def _import_root() -> str:
 
 def evaluate(cfg: Config, tokenized: StageRecord, paths: dict[str, Path], out_dir: Path, run_id: str) -> StageOutput:
     started = time.perf_counter()
-    shards = open_shards(Path(tokenized.output_dir), 2)
     e = cfg.eval
     variants: list[dict[str, Any]] = []
     for name, path in paths.items():
         result = _measure_in_fresh_process(
-            name, model_path=str(path), val_path=str(Path(tokenized.output_dir) / "val.bin"),
-            val_dtype=shards.meta["dtype"], max_tokens=e.max_tokens, batch_sizes=e.batch_sizes,
+            name, model_path=str(path), tokenize_dir=tokenized.output_dir, max_tokens=e.max_tokens, batch_sizes=e.batch_sizes,
             decode_tokens=e.decode_tokens, prompts=e.prompts, max_new_tokens=e.max_new_tokens,
             threads=available_cores(), seed=SAMPLE_SEED)
         variants.append({"variant": name, **result})
@@ -202,8 +199,7 @@ def evaluate_task(ctx: StageContext, tokenize: StageRecord, pretrain: StageRecor
                 "quantize": quantize})
     if TaskRunContext.get() is not None:
         variants = record.info["summary"]["variants"]
-        create_table_artifact(key="cpuforge-evaluation", table=[
-            {k: v for k, v in row.items() if k != "prefill_tok_s_by_batch"} for row in variants],
+        create_table_artifact(key="cpuforge-evaluation", table=table_rows(variants),
             description="cpuforge: every variant on the same validation tokens")
         create_markdown_artifact(key="cpuforge-report", markdown=record.path("report").read_text(),
                                  description="cpuforge: the evaluation report")

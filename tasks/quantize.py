@@ -66,8 +66,7 @@ def _calibration_reader(shards, cfg: Config, model_cfg):
                 return None
             x, _ = sampler.batch(self.step)
             self.step += 1
-            past = [t.numpy() for t in empty_past(model_cfg, CALIB_BATCH)]
-            return {names[0]: x.numpy(), **dict(zip(names[1:], past))}
+            return {names[0]: x.numpy(), **dict(zip(names[1:], empty_past(model_cfg, CALIB_BATCH)))}
 
     return TrainBatches()
 

@@ -11,7 +11,6 @@ reason are logged on the ``register`` run, tagged on the version, and returned f
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
@@ -27,6 +26,7 @@ from prefect.context import TaskRunContext
 from models.onnx_export import input_names, output_names
 from models.runtime import LanguageModel, ModelLoadError, load_language_model
 from tasks import tracking
+from tasks.data import open_shards
 from tasks.errors import DataError, ModelError
 from tasks.scoring import Score, score_text
 from tasks.stage import StageContext
@@ -43,13 +43,8 @@ TAG_REASON = "cpuforge.gate_reason"
 
 def gate_text(tokenized: StageRecord, lm: LanguageModel, max_tokens: int) -> str:
     """The validation text every contender is scored on: the first max_tokens val tokens, as text."""
-    val = np.memmap(Path(tokenized.output_dir) / "val.bin", mode="r",
-                    dtype=np.dtype(_meta_dtype(tokenized)))[: max_tokens + 1]
+    val = open_shards(Path(tokenized.output_dir), lm.cfg.block_size).val[: max_tokens + 1]
     return lm.tokenizer.decode(np.asarray(val).tolist(), skip_special_tokens=False)
-
-
-def _meta_dtype(tokenized: StageRecord) -> str:
-    return json.loads((Path(tokenized.output_dir) / "meta.json").read_text())["dtype"]
 
 
 def signature_and_example(lm: LanguageModel):

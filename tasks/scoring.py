@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from models.runtime import LanguageModel, generate, load_language_model
-from tasks.data import bits_per_byte, token_byte_lengths
+from tasks.data import bits_per_byte, open_shards, token_byte_lengths
 from tasks.errors import DataError
 from tasks.hardware import peak_rss_mb
 
@@ -100,7 +100,7 @@ def decode_tokens_per_s(lm: LanguageModel, n_tokens: int, prompt_len: int = 16, 
     return 1.0 / best
 
 
-def measure_variant(model_path: str, val_path: str, val_dtype: str, max_tokens: int, batch_sizes: list[int],
+def measure_variant(model_path: str, tokenize_dir: str, max_tokens: int, batch_sizes: list[int],
                     decode_tokens: int, prompts: list[str], max_new_tokens: int, threads: int,
                     seed: int) -> dict:
     """Everything the evaluate stage reports for one model, meant to run in a fresh process so
@@ -109,7 +109,7 @@ def measure_variant(model_path: str, val_path: str, val_dtype: str, max_tokens: 
 
     torch.set_num_threads(threads)
     lm = load_language_model(Path(model_path), threads=threads)
-    val = np.memmap(val_path, dtype=np.dtype(val_dtype), mode="r")[: max_tokens + 1]
+    val = open_shards(Path(tokenize_dir), lm.cfg.block_size).val[: max_tokens + 1]
     score = score_tokens(lm, np.asarray(val), token_byte_lengths(lm.tokenizer))
     prefill = {str(b): round(prefill_tokens_per_s(lm, batch=b), 1) for b in batch_sizes}
     samples = {}
