@@ -53,11 +53,22 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one setting; repeatable")
 
+    def run_args(p: argparse.ArgumentParser) -> None:
+        config_args(p)
+        p.add_argument("--workdir", default="cpuforge-runs", help="stage outputs, summaries, MLflow store")
+        p.add_argument("--summary", help="also write the summary JSON to this file")
+
     run = sub.add_parser("run", help="run the pipeline")
-    config_args(run)
-    run.add_argument("--workdir", default="cpuforge-runs", help="stage outputs, summaries, MLflow store")
-    run.add_argument("--summary", help="also write the summary JSON to this file")
+    run_args(run)
     run.set_defaults(handler=_run)
+
+    comp = sub.add_parser("compress", help="prune, recover, export, quantize, evaluate and register an existing "
+                                           "pretrained model (no pretraining)")
+    run_args(comp)
+    comp.add_argument("--pretrained", default="champion", metavar="SOURCE",
+                      help="'champion' (default: the registered champion's pretrained weights), runs:/RUN_ID/model, "
+                           "or a pretrain stage output or model folder")
+    comp.set_defaults(handler=_compress)
 
     show = sub.add_parser("config", help="print the resolved configuration and exit")
     config_args(show)
@@ -146,22 +157,42 @@ def _show_config(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    cfg = _checked_config(args)
+    _check_prune_target(cfg)
+    from flows.pipeline import pipeline
+
+    return _run_flow(pipeline, profile=cfg.profile, config_file=args.config, overrides=args.overrides,
+                     workdir=_workdir(args), summary_path=args.summary)
+
+
+def _compress(args: argparse.Namespace) -> int:
+    cfg = _checked_config(args)  # the prune target is checked once the model's shape is known
+    from flows.compress import compress
+
+    return _run_flow(compress, pretrained=args.pretrained, profile=cfg.profile, config_file=args.config,
+                     overrides=args.overrides, workdir=_workdir(args), summary_path=args.summary)
+
+
+def _checked_config(args: argparse.Namespace):
     from tasks.config import load_config
     from tasks.tokenize import stage_extra_key
 
     cfg = load_config(args.profile, args.config, args.overrides)
     stage_extra_key(cfg)  # resolves the data source: a wrong path fails here, before any work
-    _check_prune_target(cfg)
+    return cfg
+
+
+def _workdir(args: argparse.Namespace) -> str:
     workdir = Path(args.workdir).expanduser().resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    return str(workdir)
 
+
+def _run_flow(flow_fn, **params: Any) -> int:
     _quiet_user_error_tracebacks()
     logging.getLogger("cpuforge").setLevel(logging.INFO)
-    from flows.pipeline import pipeline
-
     try:
-        summary = pipeline(profile=cfg.profile, config_file=args.config, overrides=args.overrides,
-                           workdir=str(workdir), summary_path=args.summary)
+        summary = flow_fn(**params)
     except UserError:
         raise
     except Exception as exc:

@@ -2,33 +2,33 @@
 
 from __future__ import annotations
 
-import uuid
-from pathlib import Path
 from typing import Any
 
 from prefect import flow
-from prefect.runtime import flow_run
 
-from tasks import tracking
-from tasks.config import load_config
-from tasks.stage import StageContext
-from tasks.store import StageRecord
-from tasks.summary import add_stage, new_summary, write_summary
+from flows.session import DEFAULT_WORKDIR, Profile, PruneStrategy, flow_config, flow_session, run_stage_task
 from tasks.evaluate import evaluate_task
 from tasks.export import export_task
+from tasks.lineage import PretrainedSource, find_init_task, lineage_tags
 from tasks.pretrain import pretrain_task
 from tasks.prune import prune_task
 from tasks.quantize import quantize_task
 from tasks.recover import recover_task
 from tasks.registry import register_task
+from tasks.stage import StageContext
+from tasks.store import StageRecord
 from tasks.tokenize import tokenize_task
-
-DEFAULT_WORKDIR = "cpuforge-runs"
 
 
 @flow(name="cpuforge-pipeline", log_prints=True)
 def pipeline(
-    profile: str = "demo",
+    profile: Profile = "demo",
+    data_source: str | None = None,
+    pretrain_minutes: float | None = None,
+    init_from: str | None = None,
+    keep_ratio: float | None = None,
+    prune_strategy: PruneStrategy | None = None,
+    recover_minutes: float | None = None,
     config_file: str | None = None,
     overrides: list[str] | None = None,
     workdir: str = DEFAULT_WORKDIR,
@@ -39,49 +39,39 @@ def pipeline(
 
     Args:
         profile: named profile: tiny (about a minute), demo (10-15 minutes), full (hours).
-        config_file: optional YAML file with config sections, applied over the profile.
-        overrides: `section.key=value` settings applied last, e.g. `train.max_minutes=10`.
-        workdir: folder for stage outputs, run summaries and the embedded MLflow store.
-        summary_path: also write the summary JSON here.
+        data_source: the corpus: 'stdlib' (built in, no download), a folder or file of text, or a Hugging Face dataset id.
+            Empty: the profile's (stdlib).
+        pretrain_minutes: wall-clock budget of pretraining. Empty: the profile's (demo: 5).
+        init_from: continue pretraining from 'champion' (the registered champion's pretrained weights; from scratch
+            while there is none), a model folder or runs:/RUN_ID/model. Empty: a new model.
+        keep_ratio: fraction of parameters pruning keeps, in (0, 1]. Empty: the profile's (0.5).
+        prune_strategy: width (heads, MLP and embedding channels), depth (whole layers) or width_then_depth.
+            Empty: the profile's (width).
+        recover_minutes: wall-clock budget of distillation after pruning. Empty: the profile's (demo: 2).
+        config_file: a YAML file of config sections on the worker, applied over the profile.
+        overrides: more `section.key=value` settings, applied last, e.g. `train.lr=0.001`.
+        workdir: folder (on the worker) for stage outputs, run summaries and, without an MLflow server, the MLflow store.
+        summary_path: also write the summary JSON to this file.
     """
-    cfg = load_config(profile, config_file, overrides or [])
-    root = Path(workdir).expanduser().resolve()
-    run_id = flow_run.get_id() or str(uuid.uuid4())
-    summary = new_summary(run_id, cfg, root)
-    try:
-        uri, experiment_id = tracking.setup(cfg, root)
-        summary.update(mlflow_tracking_uri=uri, mlflow_experiment_id=experiment_id)
-        with tracking.pipeline_run(cfg, root, run_name=flow_run.get_name() or run_id[:8],
-                                   tags={"cpuforge.run_id": run_id}) as parent_run_id:
-            summary["mlflow_run_id"] = parent_run_id
-            ctx = StageContext(cfg, root, parent_run_id, uri, experiment_id)
+    cfg = flow_config(profile, config_file, overrides, data_source=data_source, pretrain_minutes=pretrain_minutes,
+                      init_from=init_from, keep_ratio=keep_ratio, prune_strategy=prune_strategy,
+                      recover_minutes=recover_minutes)
+    find = find_init_task if cfg.train.init_from else None
+    with flow_session("pipeline", cfg, workdir, summary_path, find_pretrained=find) as (summary, ctx, init):
+        tokenized = run_stage_task(tokenize_task, summary, ctx)
+        pretrained = run_stage_task(pretrain_task, summary, ctx, tokenize=tokenized, init=init)
+        compression_half(summary, ctx, tokenized, pretrained, init)
+    return summary
 
-            tokenized = _stage(tokenize_task, summary, ctx)
-            pretrained = _stage(pretrain_task, summary, ctx, tokenize=tokenized)
-            pruned = _stage(prune_task, summary, ctx, tokenize=tokenized, pretrain=pretrained)
-            recovered = _stage(recover_task, summary, ctx, tokenize=tokenized, pretrain=pretrained, prune=pruned)
-            exported = _stage(export_task, summary, ctx, tokenize=tokenized, recover=recovered)
-            quantized = _stage(quantize_task, summary, ctx, tokenize=tokenized, export=exported)
-            evaluated = _stage(evaluate_task, summary, ctx, tokenize=tokenized, pretrain=pretrained, prune=pruned,
+
+def compression_half(summary: dict[str, Any], ctx: StageContext, tokenized: StageRecord, pretrained: StageRecord,
+                     source: PretrainedSource | None) -> None:
+    """prune -> recover -> export -> quantize -> evaluate, then register through the champion gate."""
+    pruned = run_stage_task(prune_task, summary, ctx, tokenize=tokenized, pretrain=pretrained)
+    recovered = run_stage_task(recover_task, summary, ctx, tokenize=tokenized, pretrain=pretrained, prune=pruned)
+    exported = run_stage_task(export_task, summary, ctx, tokenize=tokenized, recover=recovered)
+    quantized = run_stage_task(quantize_task, summary, ctx, tokenize=tokenized, export=exported)
+    evaluated = run_stage_task(evaluate_task, summary, ctx, tokenize=tokenized, pretrain=pretrained, prune=pruned,
                                recover=recovered, export=exported, quantize=quantized)
-            summary["registry"] = register_task(ctx, tokenized, quantized, evaluated)
-
-        summary["status"] = "completed"
-        return summary
-    except BaseException as exc:
-        summary["status"] = "failed"
-        summary["error"] = f"{type(exc).__name__}: {exc}"
-        raise
-    finally:
-        write_summary(summary, cfg, summary_path)
-
-
-def _stage(task_fn, summary: dict[str, Any], ctx: StageContext, **inputs: StageRecord) -> StageRecord:
-    state = task_fn(ctx, **inputs, return_state=True)
-    try:
-        record: StageRecord = state.result()  # re-raises the stage's exception when it failed
-    except BaseException as exc:
-        summary["stages"][task_fn.name] = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
-        raise
-    add_stage(summary, record)
-    return record
+    lineage = lineage_tags(ctx.cfg, pretrained.mlflow_run_id, source)
+    summary["registry"] = register_task(ctx, tokenized, quantized, evaluated, lineage)

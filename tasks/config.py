@@ -120,6 +120,12 @@ class TrainConfig(Section):
     nproc_per_node: int = Field(1, gt=0, description="Training processes on this machine (torchrun).")
     nnodes: int = Field(1, gt=0, description="Machines taking part (torchrun).")
     rdzv_endpoint: str = Field("127.0.0.1:29500", description="torchrun rendezvous host:port.")
+    init_from: str | None = Field(
+        None,
+        description="Continue from these pretrained weights instead of starting from scratch: 'champion' (the "
+        "weights behind the registered champion; from scratch while there is none), a model folder, or "
+        "runs:/RUN_ID/model. Their tokenizer is used, and model.* must match their shape.",
+    )
 
     @model_validator(mode="after")
     def _has_a_budget(self) -> TrainConfig:

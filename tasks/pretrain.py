@@ -24,9 +24,10 @@ from tasks import tracking
 from tasks.config import Config
 from tasks.data import open_shards, token_byte_lengths, unigram_bpb
 from tasks.errors import UserError
+from tasks.lineage import PretrainedSource
 from tasks.publish import finish_stage
 from tasks.reports import training_reports
-from tasks.stage import StageContext, StageOutput, StageSpec, run_stage
+from tasks.stage import MACHINE_TRAINING_TAG, TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, StageSpec, run_stage
 from tasks.store import StageRecord
 from tasks.training_run import execute, model_config, training_spec, world_size
 
@@ -35,17 +36,20 @@ log = logging.getLogger("cpuforge.pretrain")
 SPEC = StageSpec(name="pretrain", version="1", sections=("model", "train"))
 
 
-def pretrain(cfg: Config, tokenized: StageRecord, out_dir: Path, run_id: str, ctx: StageContext) -> StageOutput:
+def pretrain(cfg: Config, tokenized: StageRecord, out_dir: Path, run_id: str, ctx: StageContext,
+             init: PretrainedSource | None = None) -> StageOutput:
     started = time.perf_counter()
     tok_dir = Path(tokenized.output_dir)
     shards = open_shards(tok_dir, cfg.model.block_size)  # fails early on missing/short shards
     model_cfg = model_config(cfg, shards.vocab_size)
     world = world_size(cfg)
-    spec = training_spec("pretrain", cfg, tok_dir, out_dir, run_id, ctx)
+    spec = training_spec("pretrain", cfg, tok_dir, out_dir, run_id, ctx,
+                         **({"init_dir": Path(init.folder)} if init else {}))
     threads, peak = spec["threads"], spec["peak_flops"]
     _check_resumable(out_dir / "checkpoints", model_cfg)
     tracking.log_params(run_id, {"threads": threads, "precision": spec["dtype"], "world_size": world,
-                                 "matmul_peak_gflops": round(peak / 1e9, 1)})
+                                 "matmul_peak_gflops": round(peak / 1e9, 1),
+                                 "init": init.origin if init else "scratch"})
     result = execute(spec, cfg, tokenized.key)
     training_reports(out_dir, cfg, shards.eod_id)
     baseline = unigram_bpb(shards.train, shards.val, shards.vocab_size, token_byte_lengths(shards.tokenizer_path))
@@ -64,7 +68,8 @@ def pretrain(cfg: Config, tokenized: StageRecord, out_dir: Path, run_id: str, ct
         files={"model": "model", "tokenizer": "model/tokenizer.json", "checkpoints": "checkpoints",
                "loss_curve": "loss_curve.png", "samples": "samples.txt", "history": "history.jsonl"},
         artifacts=["model", "loss_curve.png", "samples.txt"],
-        info={"model_config": model_cfg.to_dict(), "resumed_from_step": result.get("resumed_from")},
+        info={"model_config": model_cfg.to_dict(), "resumed_from_step": result.get("resumed_from"),
+              "init": init.as_dict() if init else None},
     )
 
 
@@ -79,8 +84,9 @@ def _check_resumable(checkpoints: Path, expected: LlamaConfig) -> None:
             raise UserError(str(exc)) from None
 
 
-@task(name="pretrain", cache_policy=NO_CACHE, tags=["cpuforge-training"])
-def pretrain_task(ctx: StageContext, tokenize: StageRecord) -> State:
-    record = run_stage(SPEC, ctx, lambda out_dir, run_id: pretrain(ctx.cfg, tokenize, out_dir, run_id, ctx),
-                       inputs={"tokenize": tokenize})
+@task(name="pretrain", cache_policy=NO_CACHE, tags=[TRAINING_TAG, MACHINE_TRAINING_TAG], **TRAINING_RETRIES)
+def pretrain_task(ctx: StageContext, tokenize: StageRecord, init: PretrainedSource | None = None) -> State:
+    """A retry (or a rerun after a crash) resumes from the stage's last checkpoint."""
+    record = run_stage(SPEC, ctx, lambda out_dir, run_id: pretrain(ctx.cfg, tokenize, out_dir, run_id, ctx, init),
+                       inputs={"tokenize": tokenize}, extra_key=init.sha256 if init else None)
     return finish_stage(record, ctx)

@@ -25,7 +25,7 @@ from tasks.data import open_shards
 from tasks.errors import UserError
 from tasks.publish import finish_stage
 from tasks.reports import training_reports
-from tasks.stage import StageContext, StageOutput, StageSpec, run_stage
+from tasks.stage import MACHINE_TRAINING_TAG, TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, StageSpec, run_stage
 from tasks.store import StageRecord
 from tasks.training_run import execute, training_spec, world_size
 
@@ -80,8 +80,9 @@ def recover(cfg: Config, tokenized: StageRecord, pretrained: StageRecord, pruned
     )
 
 
-@task(name="recover", cache_policy=NO_CACHE, tags=["cpuforge-training"])
+@task(name="recover", cache_policy=NO_CACHE, tags=[TRAINING_TAG, MACHINE_TRAINING_TAG], **TRAINING_RETRIES)
 def recover_task(ctx: StageContext, tokenize: StageRecord, pretrain: StageRecord, prune: StageRecord) -> State:
+    """A retry (or a rerun after a crash) resumes from the stage's last checkpoint."""
     record = run_stage(
         SPEC, ctx, lambda out_dir, run_id: recover(ctx.cfg, tokenize, pretrain, prune, out_dir, run_id, ctx),
         inputs={"tokenize": tokenize, "pretrain": pretrain, "prune": prune})

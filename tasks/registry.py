@@ -29,7 +29,7 @@ from tasks import tracking
 from tasks.data import open_shards
 from tasks.errors import DataError, ModelError
 from tasks.scoring import Score, score_text
-from tasks.stage import StageContext
+from tasks.stage import SERVICE_RETRIES, StageContext
 from tasks.store import StageRecord
 
 log = logging.getLogger("cpuforge.registry")
@@ -106,7 +106,12 @@ def fetch_registered(uri: str, tracking_uri: str | None, dst: Path) -> Path:
         raise ModelError(f"cannot fetch {uri} from the MLflow store {tracking_uri}: {exc.message}") from None
 
 
-def register(ctx: StageContext, tokenized: StageRecord, quantized: StageRecord, evaluated: StageRecord) -> dict[str, Any]:
+def register(ctx: StageContext, tokenized: StageRecord, quantized: StageRecord, evaluated: StageRecord,
+             lineage: dict[str, str] | None = None) -> dict[str, Any]:
+    """Register the final model (or find the version that already holds it) and run the champion gate.
+
+    ``lineage``: version tags saying where its pretrained weights and data came from (tasks/lineage.py).
+    """
     mlflow = tracking._mlflow()
     client = mlflow.MlflowClient()
     name = ctx.cfg.tracking.registered_model
@@ -134,6 +139,8 @@ def register(ctx: StageContext, tokenized: StageRecord, quantized: StageRecord, 
             version = str(info.registered_model_version)
             client.set_model_version_tag(name, version, TAG_SOURCE_KEY, quantized.key)
             client.set_model_version_tag(name, version, TAG_VAL_BPB, f"{evaluated.metrics['final_val_bpb']:.5f}")
+        for tag, value in (lineage or {}).items():
+            client.set_model_version_tag(name, version, tag, value)
         client.set_registered_model_alias(name, CANDIDATE, version)
 
         champion_version = _alias_version(client, name, CHAMPION)
@@ -188,9 +195,10 @@ def _markdown(result: dict[str, Any]) -> str:
     ])
 
 
-@task(name="register", cache_policy=NO_CACHE)
-def register_task(ctx: StageContext, tokenize: StageRecord, quantize: StageRecord, evaluate: StageRecord) -> dict[str, Any]:
-    result = register(ctx, tokenize, quantize, evaluate)
+@task(name="register", cache_policy=NO_CACHE, **SERVICE_RETRIES)  # an MLflow server can be briefly away
+def register_task(ctx: StageContext, tokenize: StageRecord, quantize: StageRecord, evaluate: StageRecord,
+                  lineage: dict[str, str] | None = None) -> dict[str, Any]:
+    result = register(ctx, tokenize, quantize, evaluate, lineage)
     if TaskRunContext.get() is not None:
         create_markdown_artifact(key="cpuforge-registry", markdown=_markdown(result),
                                  description="cpuforge: the registered model and the champion gate's decision")

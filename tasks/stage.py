@@ -8,6 +8,7 @@ Every stage module defines a ``SPEC`` and a plain function ``work(out_dir, run_i
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,9 +17,33 @@ from typing import Any
 
 from tasks import tracking
 from tasks.config import Config
+from tasks.errors import UserError
 from tasks.store import StageRecord, StageStore, stage_key
 
 log = logging.getLogger("cpuforge.stage")
+
+# Training tasks carry both tags. The flow keeps a concurrency limit of 1 on the per-machine
+# tag, so two trainings on one machine queue instead of halving each other's cores, while
+# workers on other machines train at the same time; the plain tag groups them in the UI.
+TRAINING_TAG = "cpuforge-training"
+MACHINE_TRAINING_TAG = f"cpuforge-training-{socket.gethostname().lower()}"
+
+
+def retry_unless_user_error(task, task_run, state) -> bool:
+    """Prefect retry condition: a bad config or input fails the same way again, anything else may not."""
+    try:
+        state.result()
+    except UserError:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+# Where a retry can help: training (a crashed or killed torchrun, memory pressure; the retry
+# resumes from the last checkpoint), and talking to a hub or an MLflow server.
+TRAINING_RETRIES: dict[str, Any] = {"retries": 2, "retry_delay_seconds": 10, "retry_condition_fn": retry_unless_user_error}
+SERVICE_RETRIES: dict[str, Any] = {"retries": 2, "retry_delay_seconds": 5, "retry_condition_fn": retry_unless_user_error}
 
 
 @dataclass(frozen=True)
@@ -57,9 +82,16 @@ class StageContext:
         return self.workdir / "cache"
 
 
+# Settings that name where inputs come from rather than what is built: the resolved input (the
+# weights' or tokenizer file's hash, in the stage's extra key) is in the key instead, so "champion" today and "champion"
+# next week are not mistaken for the same weights, and a run that resolves to no weights at all
+# matches one that never asked.
+NOT_IN_KEY = {"train": ("init_from",), "tokenizer": ("path",)}
+
+
 def stage_config(cfg: Config, spec: StageSpec) -> dict[str, Any]:
     """The config sections that determine the stage's output: part of its key."""
-    return {s: getattr(cfg, s).model_dump(mode="json") for s in spec.sections}
+    return {s: getattr(cfg, s).model_dump(mode="json", exclude=set(NOT_IN_KEY.get(s, ()))) for s in spec.sections}
 
 
 def stage_params(cfg: Config, spec: StageSpec) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from tasks.corpus import Corpus, load_corpus, source_fingerprint
 from tasks.errors import DataError
 from tasks.progress import progress_bar
 from tasks.publish import finish_stage
-from tasks.stage import StageContext, StageOutput, StageSpec, run_stage
+from tasks.stage import SERVICE_RETRIES, StageContext, StageOutput, StageSpec, run_stage
 
 log = logging.getLogger("cpuforge.tokenize")
 
@@ -305,7 +305,7 @@ def tokenize(cfg: Config, out_dir: Path, cache_dir: Path) -> StageOutput:
     )
 
 
-@task(name="tokenize", cache_policy=NO_CACHE)
+@task(name="tokenize", cache_policy=NO_CACHE, **SERVICE_RETRIES)  # hub downloads can fail and succeed later
 def tokenize_task(ctx: StageContext) -> State:
     record = run_stage(
         SPEC, ctx, lambda out_dir, _run_id: tokenize(ctx.cfg, out_dir, ctx.cache_dir), extra_key=stage_extra_key(ctx.cfg)

@@ -74,10 +74,22 @@ def setup(cfg: Config, workdir: Path) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
+def _killed_when_interrupted() -> Iterator[None]:
+    """A run stopped by a cancellation or Ctrl-C (not an Exception) ends KILLED; one that failed, FAILED."""
+    try:
+        yield
+    except Exception:
+        raise
+    except BaseException:
+        _mlflow().end_run(status="KILLED")
+        raise
+
+
+@contextlib.contextmanager
 def pipeline_run(cfg: Config, workdir: Path, run_name: str, tags: dict[str, str]) -> Iterator[str]:
-    """The parent run of one pipeline run; ends FAILED if the body raises."""
+    """The parent run of one pipeline run; ends FAILED if the body raises, KILLED if it is cancelled."""
     mlflow = _mlflow()
-    with mlflow.start_run(run_name=run_name, tags={TAG_PROFILE: cfg.profile, **tags}) as run:
+    with mlflow.start_run(run_name=run_name, tags={TAG_PROFILE: cfg.profile, **tags}) as run, _killed_when_interrupted():
         mlflow.log_params({"profile": cfg.profile, "workdir": str(Path(workdir).resolve())})
         mlflow.log_text(cfg.to_yaml(), "config.yaml")
         yield run.info.run_id
@@ -85,7 +97,7 @@ def pipeline_run(cfg: Config, workdir: Path, run_name: str, tags: dict[str, str]
 
 @contextlib.contextmanager
 def stage_run(stage: str, parent_run_id: str | None, params: dict[str, Any], key: str, system_metrics: bool) -> Iterator[str]:
-    """A nested run for one stage; ends FAILED (and re-raises) if the stage fails."""
+    """A nested run for one stage; ends FAILED (and re-raises) if the stage fails, KILLED if cancelled."""
     mlflow = _mlflow()
     with mlflow.start_run(
         run_name=stage,
@@ -93,7 +105,7 @@ def stage_run(stage: str, parent_run_id: str | None, params: dict[str, Any], key
         parent_run_id=parent_run_id,
         tags={TAG_STAGE: stage, TAG_KEY: key, TAG_CACHED: "false"},
         log_system_metrics=system_metrics,
-    ) as run:
+    ) as run, _killed_when_interrupted():
         mlflow.log_params(params)
         yield run.info.run_id
 

@@ -107,7 +107,10 @@ def _build(spec: dict[str, Any], cfg: Config, vocab_size: int):
         r = cfg.recover
         return student, distillation_loss(teacher, r.temperature, r.kd_weight, r.lm_weight), \
             recover_settings(cfg, dtype, spec["peak_flops"])
-    return Llama(model_config(cfg, vocab_size)), lm_loss, settings(cfg, dtype, spec["peak_flops"])
+    expected = model_config(cfg, vocab_size)
+    # Continued pretraining starts from given weights (a checkpoint found later still takes precedence).
+    model = load_model(Path(spec["init_dir"]), expect=expected) if spec.get("init_dir") else Llama(expected)
+    return model, lm_loss, settings(cfg, dtype, spec["peak_flops"])
 
 
 def run_training(spec: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,57 @@
+"""The compression half as a flow of its own: an existing pretrained model -> prune -> recover -> export
+-> quantize -> evaluate -> register. For trying another keep ratio or strategy without pretraining again."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from prefect import flow
+
+from flows.pipeline import compression_half
+from flows.session import DEFAULT_WORKDIR, Profile, PruneStrategy, flow_config, flow_session, run_stage_task
+from tasks.adopt import adopt_task
+from tasks.lineage import CHAMPION, find_source_task
+from tasks.tokenize import tokenize_task
+
+
+@flow(name="cpuforge-compress", log_prints=True)
+def compress(
+    pretrained: str = CHAMPION,
+    profile: Profile = "demo",
+    data_source: str | None = None,
+    keep_ratio: float | None = None,
+    prune_strategy: PruneStrategy | None = None,
+    recover_minutes: float | None = None,
+    config_file: str | None = None,
+    overrides: list[str] | None = None,
+    workdir: str = DEFAULT_WORKDIR,
+    summary_path: str | None = None,
+) -> dict[str, Any]:
+    """Compress an existing pretrained model: prune -> recover -> export -> quantize -> evaluate, then register it
+    through the champion gate. The model's own shape and tokenizer are used; model.* settings are ignored.
+
+    Args:
+        pretrained: the model to compress: 'champion' (the pretrained weights behind the registered champion),
+            runs:/RUN_ID/model (a pretrain stage's MLflow run), or a pretrain stage output or model folder on the worker.
+        profile: named profile for the other settings: tiny, demo or full.
+        data_source: the corpus for recovery and evaluation; it is tokenized with the model's tokenizer.
+            Empty: the profile's (stdlib).
+        keep_ratio: fraction of parameters pruning keeps, in (0, 1]. Empty: the profile's (0.5).
+        prune_strategy: width (heads, MLP and embedding channels), depth (whole layers) or width_then_depth.
+            Empty: the profile's (width).
+        recover_minutes: wall-clock budget of distillation after pruning. Empty: the profile's (demo: 2).
+        config_file: a YAML file of config sections on the worker, applied over the profile.
+        overrides: more `section.key=value` settings, applied last, e.g. `recover.lr=0.001`.
+        workdir: folder (on the worker) for stage outputs, run summaries and, without an MLflow server, the MLflow store.
+        summary_path: also write the summary JSON to this file.
+    """
+    cfg = flow_config(profile, config_file, overrides, data_source=data_source, keep_ratio=keep_ratio,
+                      prune_strategy=prune_strategy, recover_minutes=recover_minutes)
+    find = partial(find_source_task, pretrained)
+    with flow_session("compress", cfg, workdir, summary_path, find_pretrained=find, adopt_shape=True) as (
+            summary, ctx, source):
+        tokenized = run_stage_task(tokenize_task, summary, ctx)
+        adopted = run_stage_task(adopt_task, summary, ctx, tokenize=tokenized, source=source)
+        compression_half(summary, ctx, tokenized, adopted, source)
+    return summary

@@ -1,0 +1,117 @@
+"""What the flows share: their flat UI-form settings, one summary and one MLflow parent run per
+flow run, each stage's Prefect state, and the training concurrency limit."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+from prefect.runtime import flow_run
+
+from tasks import tracking
+from tasks.config import Config, load_config
+from tasks.lineage import PretrainedSource, with_source
+from tasks.stage import MACHINE_TRAINING_TAG, StageContext
+from tasks.store import StageRecord
+from tasks.summary import add_stage, new_summary, write_summary
+
+log = logging.getLogger("cpuforge.flow")
+
+DEFAULT_WORKDIR = "cpuforge-runs"
+Profile = Literal["tiny", "demo", "full"]
+PruneStrategy = Literal["width", "depth", "width_then_depth"]
+
+# The flows' flat parameters (what the Prefect UI renders as a form) and the setting each sets.
+# They are applied before `overrides`, so a free-form override still has the last word.
+FORM_SETTINGS = {
+    "data_source": "data.source",
+    "pretrain_minutes": "train.max_minutes",
+    "init_from": "train.init_from",
+    "keep_ratio": "prune.keep_ratio",
+    "prune_strategy": "prune.strategy",
+    "recover_minutes": "recover.max_minutes",
+}
+
+
+def form_overrides(**form: Any) -> list[str]:
+    """`section.key=value` overrides for the form fields that were filled in (JSON-quoted: a value
+    such as `yes` or `1e3` stays the string or number that was typed)."""
+    return [f"{FORM_SETTINGS[name]}={json.dumps(value)}" for name, value in form.items() if value is not None]
+
+
+def flow_config(profile: str, config_file: str | None, overrides: list[str] | None, **form: Any) -> Config:
+    """The validated config of a flow run: profile, config file, the form's fields, then the overrides."""
+    return load_config(profile, config_file, [*form_overrides(**form), *(overrides or [])])
+
+
+def ensure_training_limit(slots: int = 1) -> None:
+    """A concurrency limit on this machine's training tag, unless one is set already (then it is left
+    as it is: `prefect concurrency-limit create <tag> N` changes it)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_concurrency_limit_by_tag(MACHINE_TRAINING_TAG)
+        except ObjectNotFound:
+            client.create_concurrency_limit(tag=MACHINE_TRAINING_TAG, concurrency_limit=slots)
+            log.info("concurrency limit: %d training at a time on this machine (tag %s)", slots, MACHINE_TRAINING_TAG)
+
+
+FindPretrained = Callable[[Config, Path], "PretrainedSource | None"]
+
+
+@contextlib.contextmanager
+def flow_session(
+    flow_name: str, cfg: Config, workdir: str, summary_path: str | None,
+    find_pretrained: FindPretrained | None = None, adopt_shape: bool = False,
+) -> Iterator[tuple[dict[str, Any], StageContext, PretrainedSource | None]]:
+    """Set up tracking, find the pretrained weights the run starts from (if any), open the MLflow parent
+    run, and write the summary however the run ends. Yields (summary, stage context, pretrained source)."""
+    root = Path(workdir).expanduser().resolve()
+    run_id = flow_run.get_id() or str(uuid.uuid4())
+    summary = new_summary(run_id, cfg, root)
+    summary["flow"] = flow_name
+    try:
+        uri, experiment_id = tracking.setup(cfg, root)
+        summary.update(mlflow_tracking_uri=uri, mlflow_experiment_id=experiment_id)
+        ensure_training_limit()
+        source = find_pretrained(cfg, root) if find_pretrained else None
+        if source is not None:
+            cfg = with_source(cfg, source, adopt_shape)
+        summary["pretrained_from"] = source.as_dict() if source else None
+        with tracking.pipeline_run(cfg, root, run_name=flow_run.get_name() or run_id[:8],
+                                   tags={"cpuforge.run_id": run_id, "cpuforge.flow": flow_name}) as parent_run_id:
+            summary["mlflow_run_id"] = parent_run_id
+            yield summary, StageContext(cfg, root, parent_run_id, uri, experiment_id), source
+        summary["status"] = "completed"
+    except Exception as exc:
+        summary["status"] = "failed"
+        summary["error"] = f"{type(exc).__name__}: {exc}"
+        raise
+    except BaseException as exc:  # cancelled from the UI (TerminationSignal) or Ctrl-C
+        summary["status"] = "cancelled"
+        summary["error"] = f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        write_summary(summary, cfg, summary_path)
+
+
+def run_stage_task(task_fn, summary: dict[str, Any], ctx: StageContext, **inputs: Any) -> StageRecord:
+    """Run one stage task and add its record to the summary; a failure is recorded, then re-raised."""
+    try:
+        state = task_fn(ctx, **inputs, return_state=True)
+        record: StageRecord = state.result()  # re-raises the stage's exception when it failed
+    except Exception as exc:
+        summary["stages"][task_fn.name] = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+        raise
+    except BaseException as exc:  # cancelled: the stage stopped where it was; its last checkpoint stays
+        summary["stages"][task_fn.name] = {"status": "cancelled", "error": f"{type(exc).__name__}: {exc}"}
+        raise
+    add_stage(summary, record)
+    return record

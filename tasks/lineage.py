@@ -1,0 +1,209 @@
+"""Where pretrained weights come from when a run does not start from scratch.
+
+A recurring run continues pretraining from the champion (``train.init_from=champion``), and
+the compression flow starts from an existing pretrained model. Both name a *source*: a model
+folder, an MLflow run's ``model`` artifact (``runs:/RUN_ID/model``), or ``champion``. The
+champion itself is an int8 ONNX file that cannot be trained further, so every registered
+version carries lineage tags pointing at the run that holds its fp32 pretrained weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from models.checkpoint import CheckpointError, read_config
+from tasks import tracking
+from tasks.config import Config, ModelConfig
+from tasks.corpus import source_fingerprint
+from tasks.errors import ConfigError, ModelError
+from tasks.stage import SERVICE_RETRIES
+
+log = logging.getLogger("cpuforge.lineage")
+
+CHAMPION = "champion"
+MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+# Version tags written at registration (see lineage_tags).
+TAG_PRETRAIN_RUN = "cpuforge.pretrain_run_id"  # run whose artifact "model" holds the fp32 pretrained weights
+TAG_DATA_ID = "cpuforge.data_id"  # the data the version was trained on (source fingerprint + data settings)
+TAG_INIT_RUN = "cpuforge.init_run_id"  # the run whose weights its pretraining started from ("" = scratch)
+TAG_INIT_SHA = "cpuforge.init_sha256"
+
+
+@dataclass(frozen=True)
+class PretrainedSource:
+    """Pretrained weights on local disk, ready to load, and where they came from."""
+
+    folder: str  # holds config.json, model.safetensors, tokenizer.json
+    sha256: str  # of model.safetensors: names the weights in stage keys
+    origin: str  # what was asked for and what it resolved to, for logs and the summary
+    run_id: str | None = None  # the MLflow run holding them as artifact "model", when known
+
+    @property
+    def tokenizer_path(self) -> str:
+        return str(Path(self.folder) / "tokenizer.json")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def data_identity(cfg: Config) -> str:
+    """Names the training data: the source's fingerprint and the settings that read it."""
+    h = hashlib.sha256(source_fingerprint(cfg.data).encode())
+    h.update(json.dumps(cfg.data.model_dump(mode="json"), sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def resolve_init(cfg: Config, workdir: Path) -> PretrainedSource | None:
+    """The weights pretraining starts from (``train.init_from``), or None for a fresh model.
+
+    With ``champion``: none while there is no champion. When the champion was itself trained on
+    exactly this data, there is nothing new to learn from it: the run starts where the champion's
+    own pretraining started, so every stage key matches the champion's run and is reused.
+    """
+    spec = cfg.train.init_from
+    if not spec:
+        return None
+    if cfg.tokenizer.path:
+        raise ConfigError("train.init_from brings its own tokenizer: leave tokenizer.path unset")
+    if spec != CHAMPION:
+        return resolve_source(spec, cfg, workdir)
+    version = champion_version(cfg)
+    if version is None:
+        log.info("train.init_from=champion: there is no champion yet; pretraining from scratch")
+        return None
+    tags = version.tags
+    label = f"{cfg.tracking.registered_model} v{version.version}"
+    if tags.get(TAG_DATA_ID) == data_identity(cfg):
+        init_run = tags.get(TAG_INIT_RUN)
+        log.info("the champion (%s) was trained on exactly this data: starting where it started (%s), "
+                 "so its stages are reused", label, f"run {init_run}" if init_run else "from scratch")
+        return _from_run(init_run, workdir, f"champion {label} (same data: its own starting point)") if init_run else None
+    return _from_run(_pretrain_run(version, label), workdir, f"champion {label}")
+
+
+def resolve_source(spec: str, cfg: Config, workdir: Path) -> PretrainedSource:
+    """A pretrained model named by the user: ``champion``, ``runs:/RUN_ID/model`` or a folder."""
+    if spec == CHAMPION:
+        version = champion_version(cfg)
+        if version is None:
+            raise ConfigError(f"there is no champion of {cfg.tracking.registered_model} yet in "
+                              f"{tracking.tracking_uri(cfg, workdir)}: run the pipeline first, or name a model folder")
+        label = f"{cfg.tracking.registered_model} v{version.version}"
+        return _from_run(_pretrain_run(version, label), workdir, f"champion {label}")
+    if spec.startswith("runs:/"):
+        run_id, _, path = spec.removeprefix("runs:/").partition("/")
+        if path.strip("/") not in ("", "model"):
+            raise ConfigError(f"{spec}: expected runs:/RUN_ID/model (a pretrain stage run's model artifact)")
+        return _from_run(run_id, workdir, spec)
+    return _from_folder(Path(spec).expanduser(), spec)
+
+
+def champion_version(cfg: Config):
+    """The registered champion's model version (with its tags), or None."""
+    from mlflow.exceptions import MlflowException
+
+    client = tracking._mlflow().MlflowClient()
+    try:
+        return client.get_model_version_by_alias(cfg.tracking.registered_model, CHAMPION)
+    except MlflowException as exc:
+        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return None
+        raise
+
+
+def lineage_tags(cfg: Config, pretrained_run_id: str | None, init: PretrainedSource | None) -> dict[str, str]:
+    """The version tags that let a later run continue from, or recompress, this model."""
+    return {TAG_PRETRAIN_RUN: pretrained_run_id or "", TAG_DATA_ID: data_identity(cfg),
+            TAG_INIT_RUN: (init.run_id or "") if init else "", TAG_INIT_SHA: init.sha256 if init else ""}
+
+
+def _pretrain_run(version, label: str) -> str:
+    run_id = version.tags.get(TAG_PRETRAIN_RUN)
+    if not run_id:
+        raise ModelError(f"{label} has no {TAG_PRETRAIN_RUN} tag (registered before cpuforge recorded lineage): "
+                         "name its pretrained model folder instead")
+    return run_id
+
+
+def _from_run(run_id: str, workdir: Path, origin: str) -> PretrainedSource:
+    """Download a run's ``model`` artifact once into the workdir's cache."""
+    from mlflow.exceptions import MlflowException
+
+    folder = Path(workdir) / "cache" / "pretrained" / run_id / "model"
+    if not folder.is_dir():
+        partial = folder.parent.with_name(run_id + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        try:
+            tracking._mlflow().artifacts.download_artifacts(run_id=run_id, artifact_path="model", dst_path=str(partial))
+        except MlflowException as exc:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise ModelError(f"cannot fetch the model artifact of run {run_id} ({origin}): {exc.message}") from None
+        folder.parent.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(partial, folder.parent)
+    source = _from_folder(folder, origin)
+    return PretrainedSource(source.folder, source.sha256, f"{origin} (run {run_id})", run_id)
+
+
+def _from_folder(path: Path, origin: str) -> PretrainedSource:
+    folder = path / "model" if (path / "model" / "model.safetensors").is_file() else path  # a pretrain stage folder
+    missing = [name for name in MODEL_FILES if not (folder / name).is_file()]
+    if missing:
+        raise ConfigError(f"{path} is not a cpuforge model folder: missing {', '.join(missing)} "
+                          "(use a pretrain stage's output folder or its model/ folder)")
+    try:
+        read_config(folder)
+    except CheckpointError as exc:
+        raise ModelError(str(exc)) from None
+    digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    return PretrainedSource(str(folder.resolve()), digest, origin)
+
+
+def model_section(source: PretrainedSource) -> ModelConfig:
+    """The model section that describes the source's architecture."""
+    found = read_config(Path(source.folder))
+    if found.head_dim_override is not None:
+        raise ConfigError(f"{source.origin} is a pruned model: start from an unpruned pretrained model")
+    fields = {name: getattr(found, name) for name in ModelConfig.model_fields}
+    return ModelConfig(**fields)
+
+
+def with_source(cfg: Config, source: PretrainedSource, adopt_shape: bool) -> Config:
+    """The config a run from ``source`` uses: its tokenizer; its shape (adopted, or checked against model.*)."""
+    shape = model_section(source)
+    if not adopt_shape and shape != cfg.model:
+        diff = ", ".join(f"{k}: config {getattr(cfg.model, k)} vs weights {getattr(shape, k)}"
+                         for k in ModelConfig.model_fields if getattr(cfg.model, k) != getattr(shape, k))
+        raise ConfigError(f"train.init_from={cfg.train.init_from}: the weights ({source.origin}) have another shape "
+                          f"({diff}); set model.* to match, or clear train.init_from to start from scratch")
+    update: dict[str, Any] = {"tokenizer": cfg.tokenizer.model_copy(update={"path": source.tokenizer_path})}
+    if adopt_shape:
+        update["model"] = shape
+    return cfg.model_copy(update=update)
+
+
+@task(name="find-pretrained", cache_policy=NO_CACHE, **SERVICE_RETRIES)
+def find_init_task(cfg: Config, workdir: Path) -> PretrainedSource | None:
+    """The weights pretraining continues from (``train.init_from``), or None for a fresh model."""
+    source = resolve_init(cfg, workdir)
+    log.info("pretraining starts from %s", source.origin if source else "scratch (a new model)")
+    return source
+
+
+@task(name="find-pretrained", cache_policy=NO_CACHE, **SERVICE_RETRIES)
+def find_source_task(spec: str, cfg: Config, workdir: Path) -> PretrainedSource:
+    """The pretrained model the compression flow starts from."""
+    source = resolve_source(spec, cfg, workdir)
+    log.info("compressing %s", source.origin)
+    return source
