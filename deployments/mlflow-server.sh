@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The MLflow tracking server and UI on http://$CPUFORGE_BIND:$MLFLOW_PORT (default 127.0.0.1:5000).
+# Runs and the model registry go to SQLite in $CPUFORGE_STATE/mlflow, artifacts next to it; the
+# server proxies artifact uploads and downloads, so clients need no access to that folder.
+# For a team (needs `pip install psycopg2-binary`):
+#   MLFLOW_BACKEND_STORE_URI=postgresql://USER:PASSWORD@HOST:5432/mlflow
+#   MLFLOW_ARTIFACTS_DESTINATION=s3://bucket/cpuforge (or a folder on shared storage)
+# Reached by other machines (CPUFORGE_BIND=0.0.0.0)? Name the host it is reached by:
+#   MLFLOW_ALLOWED_HOSTS=mlflow.example.internal
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+mkdir -p "$CPUFORGE_STATE/mlflow"
+args=(
+  --host "$CPUFORGE_BIND" --port "$MLFLOW_PORT"
+  --backend-store-uri "${MLFLOW_BACKEND_STORE_URI:-sqlite:///$CPUFORGE_STATE/mlflow/mlflow.db}"
+  --artifacts-destination "${MLFLOW_ARTIFACTS_DESTINATION:-$CPUFORGE_STATE/mlflow/artifacts}"
+  --workers "${MLFLOW_WORKERS:-1}"  # each worker holds ~0.5 GB; one is plenty for one team's runs
+)
+if [[ -n "${MLFLOW_ALLOWED_HOSTS:-}" ]]; then
+  args+=(--allowed-hosts "$MLFLOW_ALLOWED_HOSTS")
+fi
+exec mlflow server "${args[@]}"

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# A Prefect worker for the "cpuforge" process work pool, on the machine whose CPUs do the training.
+# Each flow run is a fresh Python process in $CPUFORGE_HOME (this checkout) that inherits this
+# environment: PREFECT_API_URL, MLFLOW_TRACKING_URI and CPUFORGE_HOME reach the flow from here.
+# Start one per training machine, each pointing at the team's servers:
+#   PREFECT_API_URL=http://prefect.internal:4200/api MLFLOW_TRACKING_URI=http://mlflow.internal:5000 \
+#     bash deployments/worker.sh
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+prefect work-pool inspect "$CPUFORGE_WORK_POOL" >/dev/null 2>&1 ||
+  prefect work-pool create "$CPUFORGE_WORK_POOL" --type process
+cd "$CPUFORGE_HOME"
+exec prefect worker start --pool "$CPUFORGE_WORK_POOL" --type process --name "cpuforge-$(hostname)"
