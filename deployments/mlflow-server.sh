@@ -2,7 +2,7 @@
 # The MLflow tracking server and UI on http://$CPUFORGE_BIND:$MLFLOW_PORT (default 127.0.0.1:5000).
 # Runs and the model registry go to SQLite in $CPUFORGE_STATE/mlflow, artifacts next to it; the
 # server proxies artifact uploads and downloads, so clients need no access to that folder.
-# For a team (needs `pip install psycopg2-binary`):
+# For a team (needs the PostgreSQL driver: `pip install -e ".[postgres]"`):
 #   MLFLOW_BACKEND_STORE_URI=postgresql://USER:PASSWORD@HOST:5432/mlflow
 #   MLFLOW_ARTIFACTS_DESTINATION=s3://bucket/cpuforge (or a folder on shared storage)
 # Reached by other machines (CPUFORGE_BIND=0.0.0.0)? Name the host it is reached by:

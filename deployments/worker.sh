@@ -10,4 +10,6 @@ source "$(dirname "$0")/common.sh"
 prefect work-pool inspect "$CPUFORGE_WORK_POOL" >/dev/null 2>&1 ||
   prefect work-pool create "$CPUFORGE_WORK_POOL" --type process
 cd "$CPUFORGE_HOME"
-exec prefect worker start --pool "$CPUFORGE_WORK_POOL" --type process --name "cpuforge-$(hostname)"
+# CPUFORGE_WORKER_LIMIT=1: at most one flow run at a time here, so the next one goes to another worker.
+exec prefect worker start --pool "$CPUFORGE_WORK_POOL" --type process --name "cpuforge-$(hostname)" \
+  ${CPUFORGE_WORKER_LIMIT:+--limit "$CPUFORGE_WORKER_LIMIT"}

@@ -122,12 +122,41 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
     assert gate["champion_version"] == ("2" if gate["decision"] == "promoted" else "1")
     assert str(client.get_model_version_by_alias("cpuforge-lm", "candidate").version) == "2"
 
-    # New data changes the source fingerprint and so the key.
+    # What the weekly deployment runs: continue from the champion. The champion already learned from
+    # this very data, so the run starts where the champion's pretraining started and reuses everything.
+    code, weekly = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}", "--set", "train.init_from=champion")
+    assert code == 0 and weekly["pretrained_from"] is None
+    assert {weekly["stages"][n]["status"] for n in stages} == {"cached"}
+
+    # New data changes the source fingerprint and so the key; pretraining continues from the champion's
+    # fp32 weights (fetched from its lineage in MLflow) with its tokenizer.
     (text_corpus / "new.txt").write_text("a brand new document\n" * 50)
-    code, grown = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}")
+    code, grown = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}", "--set", "train.init_from=champion")
     assert code == 0 and grown["stages"]["tokenize"]["status"] == "completed"
     assert grown["stages"]["tokenize"]["output_dir"] != tok["output_dir"]
     assert {grown["stages"][n]["status"] for n in stages[1:]} == {"completed"}  # new tokens: all retrained
+    assert grown["pretrained_from"]["run_id"] == pre["mlflow_run_id"]
+    first_loss = [json.loads(line)["loss"] for line in
+                  (Path(first["stages"]["pretrain"]["output_dir"]) / "history.jsonl").read_text().splitlines()][0]
+    continued = Path(grown["stages"]["pretrain"]["output_dir"]) / "history.jsonl"
+    assert json.loads(continued.read_text().splitlines()[0])["loss"] < first_loss - 0.5  # not from scratch
+
+    # The compression half alone, from the champion's pretrained weights, with another keep ratio.
+    summary_path = tmp_path / "compress.json"
+    source_run = client.get_model_version_by_alias("cpuforge-lm", "champion").tags["cpuforge.pretrain_run_id"]
+    code = main(["compress", "--profile", "tiny", "--workdir", str(workdir), "--summary", str(summary_path),
+                 "--set", f"data.source={text_corpus}", "--set", "prune.keep_ratio=0.7"])
+    recompressed = json.loads(summary_path.read_text())
+    assert code == 0 and recompressed["flow"] == "compress"
+    assert list(recompressed["stages"]) == ["tokenize", "adopt", *stages[2:]]
+    assert recompressed["stages"]["tokenize"]["status"] == "cached"  # same data, the champion's tokenizer
+    assert recompressed["pretrained_from"]["run_id"] == source_run
+    source_bpb = next(r["stages"]["pretrain"]["metrics"]["val_bpb"] for r in (grown, first)
+                      if r["stages"]["pretrain"]["mlflow_run_id"] == source_run)
+    adopted = recompressed["stages"]["adopt"]["metrics"]
+    assert adopted["val_bpb"] == pytest.approx(source_bpb, abs=2e-3)  # scored as pretraining scored it
+    ratio = recompressed["stages"]["prune"]["metrics"]["params_after"] / adopted["params"]
+    assert 0.6 < ratio <= 0.75 and recompressed["registry"]["decision"] in ("promoted", "kept champion")
 
 
 def check_deploy_stages(summary: dict, client, workdir: Path) -> None:
