@@ -161,16 +161,16 @@ def _run(args: argparse.Namespace) -> int:
     _check_prune_target(cfg)
     from flows.pipeline import pipeline
 
-    return _run_flow(pipeline, profile=cfg.profile, config_file=args.config, overrides=args.overrides,
-                     workdir=_workdir(args), summary_path=args.summary)
+    return _run_flow(pipeline, profile=cfg.profile, config_file=args.config or "", overrides=args.overrides,
+                     workdir=_workdir(args), summary_path=args.summary or "")
 
 
 def _compress(args: argparse.Namespace) -> int:
     cfg = _checked_config(args)  # the prune target is checked once the model's shape is known
     from flows.compress import compress
 
-    return _run_flow(compress, pretrained=args.pretrained, profile=cfg.profile, config_file=args.config,
-                     overrides=args.overrides, workdir=_workdir(args), summary_path=args.summary)
+    return _run_flow(compress, pretrained=args.pretrained, profile=cfg.profile, config_file=args.config or "",
+                     overrides=args.overrides, workdir=_workdir(args), summary_path=args.summary or "")
 
 
 def _checked_config(args: argparse.Namespace):

@@ -19,14 +19,14 @@ from tasks.tokenize import tokenize_task
 def compress(
     pretrained: str = CHAMPION,
     profile: Profile = "demo",
-    data_source: str | None = None,
-    keep_ratio: float | None = None,
-    prune_strategy: PruneStrategy | None = None,
-    recover_minutes: float | None = None,
-    config_file: str | None = None,
-    overrides: list[str] | None = None,
+    data_source: str = "",
+    keep_ratio: float = 0,
+    prune_strategy: PruneStrategy = "",
+    recover_minutes: float = 0,
+    config_file: str = "",
+    overrides: tuple[str, ...] = (),
     workdir: str = DEFAULT_WORKDIR,
-    summary_path: str | None = None,
+    summary_path: str = "",
 ) -> dict[str, Any]:
     """Compress an existing pretrained model: prune -> recover -> export -> quantize -> evaluate, then register it
     through the champion gate. The model's own shape and tokenizer are used; model.* settings are ignored.
@@ -37,11 +37,11 @@ def compress(
         profile: named profile for the other settings: tiny, demo or full.
         data_source: the corpus for recovery and evaluation; it is tokenized with the model's tokenizer.
             Empty: the profile's (stdlib).
-        keep_ratio: fraction of parameters pruning keeps, in (0, 1]. Empty: the profile's (0.5).
+        keep_ratio: fraction of parameters pruning keeps, in (0, 1]. 0: the profile's (0.5).
         prune_strategy: width (heads, MLP and embedding channels), depth (whole layers) or width_then_depth.
             Empty: the profile's (width).
-        recover_minutes: wall-clock budget of distillation after pruning. Empty: the profile's (demo: 2).
-        config_file: a YAML file of config sections on the worker, applied over the profile.
+        recover_minutes: wall-clock budget of distillation after pruning. 0: the profile's (demo: 2).
+        config_file: a YAML file of config sections on the worker, applied over the profile. Empty: none.
         overrides: more `section.key=value` settings, applied last, e.g. `recover.lr=0.001`.
         workdir: folder (on the worker) for stage outputs, run summaries and, without an MLflow server, the MLflow store.
         summary_path: also write the summary JSON to this file.

@@ -23,16 +23,16 @@ from tasks.tokenize import tokenize_task
 @flow(name="cpuforge-pipeline", log_prints=True)
 def pipeline(
     profile: Profile = "demo",
-    data_source: str | None = None,
-    pretrain_minutes: float | None = None,
-    init_from: str | None = None,
-    keep_ratio: float | None = None,
-    prune_strategy: PruneStrategy | None = None,
-    recover_minutes: float | None = None,
-    config_file: str | None = None,
-    overrides: list[str] | None = None,
+    data_source: str = "",
+    pretrain_minutes: float = 0,
+    init_from: str = "",
+    keep_ratio: float = 0,
+    prune_strategy: PruneStrategy = "",
+    recover_minutes: float = 0,
+    config_file: str = "",
+    overrides: tuple[str, ...] = (),
     workdir: str = DEFAULT_WORKDIR,
-    summary_path: str | None = None,
+    summary_path: str = "",
 ) -> dict[str, Any]:
     """Raw text to a small, fast, registered model: tokenize -> pretrain -> prune -> recover -> export -> quantize
     -> evaluate, then the final model is registered in MLflow and promoted to champion if it beats the current one.
@@ -41,14 +41,14 @@ def pipeline(
         profile: named profile: tiny (about a minute), demo (10-15 minutes), full (hours).
         data_source: the corpus: 'stdlib' (built in, no download), a folder or file of text, or a Hugging Face dataset id.
             Empty: the profile's (stdlib).
-        pretrain_minutes: wall-clock budget of pretraining. Empty: the profile's (demo: 5).
+        pretrain_minutes: wall-clock budget of pretraining. 0: the profile's (demo: 5).
         init_from: continue pretraining from 'champion' (the registered champion's pretrained weights; from scratch
             while there is none), a model folder or runs:/RUN_ID/model. Empty: a new model.
-        keep_ratio: fraction of parameters pruning keeps, in (0, 1]. Empty: the profile's (0.5).
+        keep_ratio: fraction of parameters pruning keeps, in (0, 1]. 0: the profile's (0.5).
         prune_strategy: width (heads, MLP and embedding channels), depth (whole layers) or width_then_depth.
             Empty: the profile's (width).
-        recover_minutes: wall-clock budget of distillation after pruning. Empty: the profile's (demo: 2).
-        config_file: a YAML file of config sections on the worker, applied over the profile.
+        recover_minutes: wall-clock budget of distillation after pruning. 0: the profile's (demo: 2).
+        config_file: a YAML file of config sections on the worker, applied over the profile. Empty: none.
         overrides: more `section.key=value` settings, applied last, e.g. `train.lr=0.001`.
         workdir: folder (on the worker) for stage outputs, run summaries and, without an MLflow server, the MLflow store.
         summary_path: also write the summary JSON to this file.

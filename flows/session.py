@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,10 +24,12 @@ log = logging.getLogger("cpuforge.flow")
 
 DEFAULT_WORKDIR = "cpuforge-runs"
 Profile = Literal["tiny", "demo", "full"]
-PruneStrategy = Literal["width", "depth", "width_then_depth"]
+PruneStrategy = Literal["", "width", "depth", "width_then_depth"]  # "": the profile's
 
 # The flows' flat parameters (what the Prefect UI renders as a form) and the setting each sets.
-# They are applied before `overrides`, so a free-form override still has the last word.
+# Their defaults ("" and 0, never a valid value for these settings) mean "the profile's": plain
+# types render as plain inputs, where `X | None` would render as a type switch. They are applied
+# before `overrides`, so a free-form override still has the last word.
 FORM_SETTINGS = {
     "data_source": "data.source",
     "pretrain_minutes": "train.max_minutes",
@@ -41,12 +43,13 @@ FORM_SETTINGS = {
 def form_overrides(**form: Any) -> list[str]:
     """`section.key=value` overrides for the form fields that were filled in (JSON-quoted: a value
     such as `yes` or `1e3` stays the string or number that was typed)."""
-    return [f"{FORM_SETTINGS[name]}={json.dumps(value)}" for name, value in form.items() if value is not None]
+    return [f"{FORM_SETTINGS[name]}={json.dumps(value)}" for name, value in form.items()
+            if value not in (None, "", 0)]
 
 
-def flow_config(profile: str, config_file: str | None, overrides: list[str] | None, **form: Any) -> Config:
+def flow_config(profile: str, config_file: str | None, overrides: Sequence[str] | None, **form: Any) -> Config:
     """The validated config of a flow run: profile, config file, the form's fields, then the overrides."""
-    return load_config(profile, config_file, [*form_overrides(**form), *(overrides or [])])
+    return load_config(profile, config_file or None, [*form_overrides(**form), *(overrides or ())])
 
 
 def ensure_training_limit(slots: int = 1) -> None:
@@ -73,6 +76,8 @@ def flow_session(
 ) -> Iterator[tuple[dict[str, Any], StageContext, PretrainedSource | None]]:
     """Set up tracking, find the pretrained weights the run starts from (if any), open the MLflow parent
     run, and write the summary however the run ends. Yields (summary, stage context, pretrained source)."""
+    if logging.getLogger("cpuforge").level == logging.NOTSET:  # a worker's run: stage logs reach the UI
+        logging.getLogger("cpuforge").setLevel(logging.INFO)
     root = Path(workdir).expanduser().resolve()
     run_id = flow_run.get_id() or str(uuid.uuid4())
     summary = new_summary(run_id, cfg, root)

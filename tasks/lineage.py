@@ -88,7 +88,11 @@ def resolve_init(cfg: Config, workdir: Path) -> PretrainedSource | None:
         log.info("the champion (%s) was trained on exactly this data: starting where it started (%s), "
                  "so its stages are reused", label, f"run {init_run}" if init_run else "from scratch")
         return _from_run(init_run, workdir, f"champion {label} (same data: its own starting point)") if init_run else None
-    return _from_run(_pretrain_run(version, label), workdir, f"champion {label}")
+    if not tags.get(TAG_PRETRAIN_RUN):  # registered before versions carried lineage: nothing to continue from
+        log.warning("the champion (%s) has no %s tag, so its pretrained weights cannot be found; pretraining "
+                    "from scratch (the result still has to beat it to be promoted)", label, TAG_PRETRAIN_RUN)
+        return None
+    return _from_run(tags[TAG_PRETRAIN_RUN], workdir, f"champion {label}")
 
 
 def resolve_source(spec: str, cfg: Config, workdir: Path) -> PretrainedSource:

@@ -71,3 +71,16 @@ def test_bad_config_files(tmp_path: Path):
         load_config(config_file=typo)
     with pytest.raises(ConfigError, match="unknown profile 'huge'; available: demo, full, tiny"):
         load_config("huge")
+
+
+def test_the_flow_forms_blank_fields_keep_the_profile_and_filled_ones_override_it():
+    from flows.session import flow_config
+
+    tiny = load_config("tiny")
+    blank = flow_config("tiny", "", (), data_source="", pretrain_minutes=0, keep_ratio=0, prune_strategy="")
+    assert blank == tiny
+    cfg = flow_config("tiny", "", ["prune.keep_ratio=0.7"], data_source="yes", keep_ratio=0.6, prune_strategy="depth",
+                      pretrain_minutes=1.5)
+    assert cfg.data.source == "yes"  # typed text stays text, not YAML's boolean
+    assert cfg.prune.strategy == "depth" and cfg.train.max_minutes == 1.5
+    assert cfg.prune.keep_ratio == 0.7  # free-form overrides have the last word
