@@ -46,6 +46,18 @@ class DataConfig(Section):
     min_docs: int = Field(
         20, ge=2, description="A corpus with fewer documents is cut into about this many chunks so it can be split."
     )
+    encode_runner: Literal["process", "dask", "single"] = Field(
+        "process",
+        description="Where a split bigger than data.piece_bytes is encoded: 'process' (a local process pool, a "
+        "Prefect task per piece), 'dask' (a Dask cluster through prefect-dask) or 'single' (this process). The "
+        "shards are the same byte for byte either way.",
+    )
+    dask_address: str | None = Field(
+        None, description="Dask scheduler address (tcp://host:8786) to encode on; implies encode_runner=dask. "
+        "With encode_runner=dask and no address, a local cluster is started for the stage.")
+    encode_workers: int = Field(0, ge=0, description="Processes of the local pool or cluster (0 = the cores available).")
+    piece_bytes: int = Field(32 * 2**20, gt=0, description="Characters per parallel piece; a smaller split is encoded "
+                             "in this process.")
 
 
 class TokenizerConfig(Section):

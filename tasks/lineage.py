@@ -26,7 +26,7 @@ from tasks import tracking
 from tasks.config import Config, ModelConfig
 from tasks.corpus import source_fingerprint
 from tasks.errors import ConfigError, ModelError
-from tasks.stage import SERVICE_RETRIES
+from tasks.stage import NOT_IN_KEY, SERVICE_RETRIES
 
 log = logging.getLogger("cpuforge.lineage")
 
@@ -59,7 +59,7 @@ class PretrainedSource:
 def data_identity(cfg: Config) -> str:
     """Names the training data: the source's fingerprint and the settings that read it."""
     h = hashlib.sha256(source_fingerprint(cfg.data).encode())
-    h.update(json.dumps(cfg.data.model_dump(mode="json"), sort_keys=True).encode())
+    h.update(json.dumps(cfg.data.model_dump(mode="json", exclude=set(NOT_IN_KEY["data"])), sort_keys=True).encode())
     return h.hexdigest()
 
 

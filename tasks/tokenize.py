@@ -156,25 +156,38 @@ def encode_to_shard(
     on_progress: Callable[[int], None] | None = None,
 ) -> int:
     """Encode documents in byte-sized batches and append them to a flat token file; returns tokens written."""
-    # Text that happens to contain the special token's spelling stays text, so document
-    # boundaries in the shard are exactly the ones we put there.
-    tokenizer.encode_special_tokens = True
     written = 0
     with open(path, "wb") as f:
-        for batch in _batches_by_bytes(docs, ENCODE_BATCH_BYTES):
-            encodings = tokenizer.encode_batch_fast(batch, add_special_tokens=False)
-            lengths = [len(e.ids) + 1 for e in encodings]
-            out = np.empty(sum(lengths), dtype=dtype)
-            pos = 0
-            for enc, n in zip(encodings, lengths):
-                out[pos : pos + n - 1] = enc.ids
-                out[pos + n - 1] = eod_id
-                pos += n
+        for out, batch in _encoded_batches(tokenizer, docs, eod_id, dtype):
             out.tofile(f)
             written += len(out)
             if on_progress:
                 on_progress(sum(len(d) for d in batch))
     return written
+
+
+def encode_to_array(tokenizer: Tokenizer, docs: list[str], eod_id: int, dtype: np.dtype) -> np.ndarray:
+    """The tokens encode_to_shard would write for these documents, as one array (a parallel piece)."""
+    arrays = [out for out, _ in _encoded_batches(tokenizer, docs, eod_id, dtype)]
+    return np.concatenate(arrays) if arrays else np.empty(0, dtype=dtype)
+
+
+def _encoded_batches(tokenizer: Tokenizer, docs: list[str], eod_id: int,
+                     dtype: np.dtype) -> Iterator[tuple[np.ndarray, list[str]]]:
+    """(tokens, documents) per batch: each document's ids followed by the end-of-document id."""
+    # Text that happens to contain the special token's spelling stays text, so document
+    # boundaries in the shard are exactly the ones we put there.
+    tokenizer.encode_special_tokens = True
+    for batch in _batches_by_bytes(docs, ENCODE_BATCH_BYTES):
+        encodings = tokenizer.encode_batch_fast(batch, add_special_tokens=False)
+        lengths = [len(e.ids) + 1 for e in encodings]
+        out = np.empty(sum(lengths), dtype=dtype)
+        pos = 0
+        for enc, n in zip(encodings, lengths):
+            out[pos : pos + n - 1] = enc.ids
+            out[pos + n - 1] = eod_id
+            pos += n
+        yield out, batch
 
 
 def _batches_by_bytes(docs: list[str], batch_bytes: int) -> Iterator[list[str]]:
@@ -238,8 +251,15 @@ def tokenize(cfg: Config, out_dir: Path, cache_dir: Path) -> StageOutput:
     for name, split_docs in splits.items():
         n_bytes = sum(len(d.encode("utf-8")) for d in split_docs)
         t0 = time.perf_counter()
-        with progress_bar(f"tokenize {name} (chars)", sum(len(d) for d in split_docs)) as advance:
-            tokens = encode_to_shard(tokenizer, split_docs, eod_id, dtype, out_dir / f"{name}.bin", advance)
+        chars = sum(len(d) for d in split_docs)
+        parallel = data.dask_address or data.encode_runner != "single"
+        if parallel and chars > data.piece_bytes:  # big enough to be worth workers
+            from tasks.parallel_encode import encode_split_in_parallel
+
+            tokens = encode_split_in_parallel(tokenizer, split_docs, eod_id, dtype, out_dir / f"{name}.bin", data)
+        else:
+            with progress_bar(f"tokenize {name} (chars)", chars) as advance:
+                tokens = encode_to_shard(tokenizer, split_docs, eod_id, dtype, out_dir / f"{name}.bin", advance)
         encode_seconds += time.perf_counter() - t0
         log.info("%s: %d docs, %d bytes -> %d tokens", name, len(split_docs), n_bytes, tokens)
         stats[name] = {"docs": len(split_docs), "bytes": n_bytes, "tokens": tokens, "file": f"{name}.bin"}

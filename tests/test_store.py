@@ -76,3 +76,7 @@ def test_a_setting_changes_the_config_of_only_the_stages_that_read_it():
     assert changed("train.lr=0.001") == {"pretrain", "recover"}  # recovery trains with the train section too
     assert changed("quantize.method=dynamic") == {"quantize"}
     assert changed("eval.max_tokens=2048") == {"evaluate"}
+    # Settings that only say where an input comes from or how it is computed re-run nothing by
+    # themselves: the resolved input (weights, tokenizer file, shards: the same bytes) keys the stage.
+    assert changed("data.encode_runner=dask", "data.piece_bytes=4096", "data.encode_workers=2") == set()
+    assert changed("train.init_from=champion", "tokenizer.path=/elsewhere/tokenizer.json") == set()

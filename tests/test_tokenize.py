@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -219,3 +220,21 @@ def test_existing_tokenizer_by_path(tmp_path, text_corpus):
 
 def test_shards_switch_to_uint32_past_65536_tokens():
     assert shard_dtype(65536) == np.uint16 and shard_dtype(65537) == np.uint32
+
+
+def test_encoding_in_parallel_on_a_process_pool_or_dask_writes_the_same_shards(tmp_path, text_corpus, prefect_server):
+    outputs = {}
+    for runner in ("single", "process", "dask"):
+        out = tmp_path / runner
+        out.mkdir()
+        cfg = load_config("tiny", overrides=[f"data.source={text_corpus}", f"data.encode_runner={runner}",
+                                             "data.piece_bytes=4096", "data.encode_workers=2"])
+        outputs[runner] = (out, tokenize(cfg, out, tmp_path / "cache"))
+    single, _ = outputs["single"]
+    for runner in ("process", "dask"):
+        out, result = outputs[runner]
+        for name in ("train.bin", "val.bin", "tokenizer.json"):
+            assert (out / name).read_bytes() == (single / name).read_bytes(), (runner, name)
+        assert json.loads((out / "meta.json").read_text())["splits"] == json.loads((single / "meta.json").read_text())["splits"]
+        assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
+    assert os.path.getsize(single / "train.bin") > 4 * 4096  # several pieces were really made
