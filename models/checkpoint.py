@@ -39,9 +39,11 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, truncated, corrupted or made for another model."""
 
 
-def save_model(model: Llama, folder: Path, extra: dict[str, Any] | None = None) -> None:
+def save_model(model: Llama, folder: Path, extra: dict[str, Any] | None = None,
+               weights: dict[str, torch.Tensor] | None = None) -> None:
+    """Weights (the model's own, or ``weights``: e.g. gathered from shards) + config.json into folder."""
     folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous() for k, v in (model.state_dict() if weights is None else weights).items()}
     if model.cfg.tie_embeddings:
         state.pop("lm_head.weight")  # the same tensor as tok_emb.weight
     save_file(state, str(folder / WEIGHTS), metadata={"format": str(FORMAT)})
@@ -111,12 +113,13 @@ def _load_verified_weights(model: Llama, folder: Path) -> None:
 
 
 def save_training_checkpoint(root: Path, step: int, model: Llama, optimizer_state: dict[str, Any],
-                             trainer_state: dict[str, Any], keep: int = 2) -> Path:
+                             trainer_state: dict[str, Any], keep: int = 2,
+                             weights: dict[str, torch.Tensor] | None = None) -> Path:
     """Write step-N atomically (temp folder + manifest + rename) and keep the newest `keep`."""
     final = root / f"step-{step:08d}"
     tmp = root / f".step-{step:08d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model, tmp)
+    save_model(model, tmp, weights=weights)
     torch.save(optimizer_state, tmp / OPTIMIZER)
     torch.save(trainer_state, tmp / TRAINER)
     files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}

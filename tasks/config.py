@@ -130,6 +130,10 @@ class TrainConfig(Section):
     activation_checkpointing: bool = Field(False, description="Recompute activations to save memory.")
     compile: bool = Field(False, description="torch.compile the model.")
     nproc_per_node: int = Field(1, gt=0, description="Training processes on this machine (torchrun).")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="With several processes: 'ddp' (a full replica each, gradients averaged) or 'fsdp' "
+        "(parameters, gradients and optimizer state sharded across them, for models whose training state does "
+        "not fit one machine). Checkpoints load under either.")
     nnodes: int = Field(1, gt=0, description="Machines taking part (torchrun).")
     rdzv_endpoint: str = Field("127.0.0.1:29500", description="torchrun rendezvous host:port.")
     init_from: str | None = Field(

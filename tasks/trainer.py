@@ -29,6 +29,7 @@ from models.checkpoint import (
     latest_valid_checkpoint, load_training_state, load_weights_into, save_training_checkpoint,
 )
 from models.llama import Llama, flops_per_token
+from tasks import sharding
 from tasks.data import BatchSampler, bits_per_byte
 from tasks.hardware import peak_rss_mb
 
@@ -58,6 +59,7 @@ class TrainSettings:
     seed: int
     dtype: torch.dtype = torch.float32
     peak_flops: float = 0.0  # measured matmul FLOP/s per process, for MFU
+    strategy: str = "ddp"  # with several processes: "ddp" (replicas) or "fsdp" (shards), see tasks/sharding.py
 
 
 @dataclass
@@ -148,14 +150,15 @@ def train(
     T = model.cfg.block_size
     tokens_per_step = s.batch_size * T * s.grad_accum * world
     sampler = BatchSampler(train_data, s.batch_size, T, s.seed, rank, world)
-    optimizer = make_optimizer(model, s)
     step, tokens, elapsed_before, horizon, history, resumed_from = 0, 0, 0.0, None, [], None
 
+    # Checkpoints hold the full state whatever the strategy: weights load into the whole model
+    # before it is sharded, the optimizer state (keyed by parameter name) after.
     found = latest_valid_checkpoint(checkpoint_dir)
+    opt_state = None
     if found is not None:
         load_weights_into(model, found)
         opt_state, trainer_state = load_training_state(found)
-        optimizer.load_state_dict(opt_state)
         step, tokens = trainer_state["step"], trainer_state["tokens"]
         elapsed_before, horizon = trainer_state["elapsed"], trainer_state["horizon"]
         history = trainer_state["history"]
@@ -165,8 +168,13 @@ def train(
             log.info("resuming from %s (step %d, %d tokens)", found.name, step, tokens)
 
     net: torch.nn.Module = model
-    if world > 1:
+    if world > 1 and s.strategy == "fsdp":
+        sharding.shard(model)  # in place: `model` is now the sharded module
+    elif world > 1:
         net = torch.nn.parallel.DistributedDataParallel(model, forward_sync_buffers=False)  # rope caches are equal everywhere
+    optimizer = make_optimizer(model, s)
+    if opt_state is not None:
+        sharding.load_optimizer_state(model, optimizer, opt_state)
     net.train()
     params = [p for p in model.parameters() if p.requires_grad]
     flops_tok = flops_per_token(model.cfg)
@@ -212,7 +220,7 @@ def train(
         for micro in range(s.grad_accum):
             x, y = sampler.batch(step, micro)
             sync = world == 1 or micro == s.grad_accum - 1
-            with (contextlib.nullcontext() if sync else net.no_sync()), _autocast(s.dtype):
+            with sharding.gradient_sync(net, sync), _autocast(s.dtype):
                 out = loss_fn(net, x, y)
                 loss, named = out if isinstance(out, tuple) else (out, {})
                 loss = loss / s.grad_accum
@@ -221,7 +229,9 @@ def train(
             for name, value in named.items():
                 parts[name] = parts.get(name, 0.0) + value / s.grad_accum
         if s.grad_clip > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, s.grad_clip))
+            grad_norm = sharding.as_float(torch.nn.utils.clip_grad_norm_(params, s.grad_clip))
+        elif sharding.is_sharded(model):  # the norm of sharded gradients needs their reduction
+            grad_norm = sharding.as_float(torch.nn.utils.clip_grad_norm_(params, float("inf")))
         else:
             grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
         optimizer.step()
@@ -274,12 +284,15 @@ def train(
             horizon_frozen = True
             if is_main:
                 log.info("wall-clock budget of %.1f min -> cosine horizon fixed at %d steps", s.max_minutes, horizon)
-        if checkpoint_now and is_main:
-            save_training_checkpoint(
-                checkpoint_dir, step, model, optimizer.state_dict(),
-                {"step": step, "tokens": tokens, "elapsed": elapsed(), "horizon": horizon,
-                 "history": history, "torch_rng": torch.get_rng_state()},
-            )
+        if checkpoint_now and (is_main or sharding.is_sharded(model)):  # gathering shards takes every rank
+            weights, opt_full = sharding.full_weights(model), sharding.full_optimizer_state(model, optimizer)
+            if is_main:
+                save_training_checkpoint(
+                    checkpoint_dir, step, model, opt_full,
+                    {"step": step, "tokens": tokens, "elapsed": elapsed(), "horizon": horizon,
+                     "history": history, "torch_rng": torch.get_rng_state()},
+                    weights=weights,
+                )
             last_checkpoint = time.perf_counter()
 
     if world > 1:

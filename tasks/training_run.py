@@ -26,7 +26,7 @@ from models.checkpoint import load_model, save_model
 from models.config import LlamaConfig, ModelConfigError
 from models.fileio import atomic_write_json, atomic_write_text
 from models.llama import Llama
-from tasks import tracking
+from tasks import sharding, tracking
 from tasks.config import Config
 from tasks.data import open_shards, token_byte_lengths, val_batches
 from tasks.errors import ConfigError
@@ -56,7 +56,7 @@ def settings(cfg: Config, dtype: torch.dtype, peak_flops: float) -> TrainSetting
         weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip, max_tokens=t.max_tokens,
         max_steps=t.max_steps, max_minutes=t.max_minutes, eval_interval=t.eval_interval,
         checkpoint_every_steps=t.checkpoint_every_steps, checkpoint_every_minutes=t.checkpoint_every_minutes,
-        seed=t.seed, dtype=dtype, peak_flops=peak_flops,
+        seed=t.seed, dtype=dtype, peak_flops=peak_flops, strategy=t.strategy,
     )
 
 
@@ -138,8 +138,9 @@ def run_training(spec: dict[str, Any]) -> dict[str, Any]:
                        loss_fn=loss_fn, log_metrics=logger, on_progress=update)
     if logger:
         logger.flush()
+    weights = sharding.full_weights(model)  # every rank takes part when the model is sharded
     if rank == 0:
-        save_model(model, out_dir / "model", extra={"dtype": spec["dtype"]})
+        save_model(model, out_dir / "model", extra={"dtype": spec["dtype"]}, weights=weights)
         shutil.copy(shards.tokenizer_path, out_dir / "model" / "tokenizer.json")
         atomic_write_text(out_dir / "history.jsonl", "".join(json.dumps(h) + "\n" for h in result.history))
         summary = {k: v for k, v in asdict(result).items() if k != "history"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,6 +109,44 @@ def test_two_processes_with_ddp_over_gloo(shards, tmp_path):
     history = [json.loads(line) for line in (tmp_path / "ddp" / "history.jsonl").read_text().splitlines()]
     assert history[-1]["loss"] < history[0]["loss"]
     assert sorted(p.name for p in (tmp_path / "ddp" / "checkpoints").iterdir()) == ["step-00000006", "step-00000012"]
+
+
+def test_fsdp_on_two_processes_and_its_checkpoints_resume_under_any_strategy(shards, tmp_path):
+    """FSDP over gloo on loopback; its checkpoint resumes in one process, and a one-process
+    checkpoint resumes under FSDP: checkpoints hold the full state whatever wrote them."""
+    def launch(out: Path, *overrides: str, processes: int) -> dict:
+        spec = spec_for(shards, out, *overrides, f"train.nproc_per_node={processes}", "train.strategy=fsdp",
+                        "train.eval_interval=6", "train.checkpoint_every_steps=6")
+        if processes == 1:
+            return run_training(spec)
+        (out / "launch.json").write_text(json.dumps(spec))
+        launch_torchrun(load_config("tiny", overrides=[f"train.nproc_per_node={processes}", "train.threads=1"]),
+                        out / "launch.json", "f" * 16)
+        return json.loads((out / "result.json").read_text())
+
+    def resume_from_step_12(source: Path, out: Path, processes: int) -> dict:
+        """Continue `source`'s run from its step-12 checkpoint (as if it had stopped there)."""
+        shutil.copytree(source / "checkpoints", out / "checkpoints")
+        shutil.rmtree(out / "checkpoints" / "step-00000018")
+        return launch(out, "train.max_steps=18", processes=processes)
+
+    sharded = launch(tmp_path / "fsdp", "train.max_steps=18", processes=2)
+    assert sharded["steps"] == 18 and sharded["tokens"] == 18 * 8 * 64 * 2
+    history = [json.loads(line) for line in (tmp_path / "fsdp" / "history.jsonl").read_text().splitlines()]
+    assert history[-1]["loss"] < history[0]["loss"] - 0.3
+    final = load_file(str(tmp_path / "fsdp" / "model" / "model.safetensors"))
+    last = load_file(str(tmp_path / "fsdp" / "checkpoints" / "step-00000018" / "model.safetensors"))
+    assert final.keys() == last.keys() and all(torch.equal(final[k], last[k]) for k in final)  # gathered whole
+
+    alone = resume_from_step_12(tmp_path / "fsdp", tmp_path / "fsdp-then-one", processes=1)
+    assert alone["resumed_from"] == 12 and alone["steps"] == 18
+
+    single = launch(tmp_path / "one", "train.max_steps=18", processes=1)
+    assert single["steps"] == 18
+    again = resume_from_step_12(tmp_path / "one", tmp_path / "one-then-fsdp", processes=2)
+    assert again["resumed_from"] == 12 and again["steps"] == 18
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "one-then-fsdp" / "history.jsonl").read_text().splitlines()]
+    assert len(losses) == 18 and losses[-1] < losses[0] - 0.3  # the history carried across strategies
 
 
 def test_bad_training_inputs_fail_before_training(shards, tmp_path):
