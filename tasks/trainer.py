@@ -259,7 +259,8 @@ def train(
         mfu = mfu_at(tok_s)
         window_start, window_tokens = now, 0
         record = {"step": step, "loss": loss_sum, **parts, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                  "tokens_per_s": tok_s, "mfu": mfu, "elapsed": elapsed()}
+                  "tokens_per_s": tok_s, "mfu": mfu, "elapsed": elapsed(),
+                  "peak_rss_mb": peak_rss_mb()}  # before this step's checkpoint (which gathers shards)
         final = out_of_budget()
         if step % s.eval_interval == 0 or final:
             val_loss, val_bpb = evaluate(model, val, byte_lengths, s.dtype)
