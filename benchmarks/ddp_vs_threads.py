@@ -12,15 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from tasks.config import load_config
 from tasks.hardware import available_cores
-from tasks.training_run import launch_torchrun
 from tasks.tokenize import tokenize
+
+from launch_training import train_standalone  # benchmarks/ sibling
 
 WARMUP_STEPS = 5
 
@@ -51,17 +50,7 @@ def main() -> None:
         rates = {}
         for name, (overrides, world) in cases.items():
             cfg = load_config(args.profile, overrides=overrides)
-            out = root / name.replace(" ", "_")
-            out.mkdir()
-            spec = {"kind": "pretrain", "config": cfg.model_dump(mode="json"), "tokenize_dir": str(root / "tok"), "out_dir": str(out),
-                    "threads": cfg.train.threads, "dtype": "float32", "peak_flops": 0.0, "tracking_uri": "",
-                    "run_id": None}
-            (out / "launch.json").write_text(json.dumps(spec))
-            if world > 1:
-                launch_torchrun(cfg, out / "launch.json", "bench")
-            else:
-                code = "import json,sys; from tasks.training_run import run_training; run_training(json.load(open(sys.argv[1])))"
-                subprocess.run([sys.executable, "-c", code, str(out / "launch.json")], check=True)
+            out = train_standalone(cfg, root / "tok", root / name.replace(" ", "_"), world)
             rates[name] = median_rate(out)
     for name, rate in rates.items():
         print(f"{name:>26}: {rate:8.0f} tokens/s")

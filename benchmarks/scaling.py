@@ -25,8 +25,9 @@ from pathlib import Path
 from models.config import SIZES
 from tasks.config import load_config
 from tasks.hardware import available_cores
-from tasks.training_run import launch_torchrun
 from tasks.tokenize import tokenize
+
+from launch_training import train_standalone  # benchmarks/ sibling
 
 WARMUP_STEPS = 2
 BUDGET_GIB = 24
@@ -39,18 +40,7 @@ def baseline_rss_mb() -> float:
 
 
 def run(root: Path, name: str, overrides: list[str], world: int) -> dict:
-    cfg = load_config("demo", overrides=overrides)
-    out = root / name
-    out.mkdir()
-    spec = {"kind": "pretrain", "config": cfg.model_dump(mode="json"), "tokenize_dir": str(root / "tok"),
-            "out_dir": str(out), "threads": cfg.train.threads, "dtype": "float32", "peak_flops": 0.0,
-            "tracking_uri": "", "run_id": None}
-    (out / "launch.json").write_text(json.dumps(spec))
-    if world > 1:
-        launch_torchrun(cfg, out / "launch.json", "scaling")
-    else:
-        code = "import json,sys; from tasks.training_run import run_training; run_training(json.load(open(sys.argv[1])))"
-        subprocess.run([sys.executable, "-c", code, str(out / "launch.json")], check=True)
+    out = train_standalone(load_config("demo", overrides=overrides), root / "tok", root / name, world)
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]
     result = json.loads((out / "result.json").read_text())
     return {"tok_s": statistics.median(h["tokens_per_s"] for h in history[WARMUP_STEPS:]),
