@@ -6,7 +6,7 @@ Trains the same model (a named size from models/config.py, vocabulary of the dem
 for the same steps and global batch: 1 process x all cores, then N processes x 1 thread with
 DDP and with FSDP (torchrun, gloo, loopback). Prints the median tokens/s (first steps skipped),
 the speedup and efficiency per process (speedup / N), and the peak RSS of rank 0 during training
-steps and with a checkpoint (checkpoints hold the full state, gathered to rank 0). From
+steps and including its checkpoints (full state from one process or DDP, shards from FSDP). From
 the measured bytes per parameter of each it estimates the largest model whose optimizer steps
 fit 24 GiB per machine (an estimate: only the sizes above were run). On N machines, FSDP
 divides the sharded state by every process of every machine; DDP never does.

@@ -113,19 +113,31 @@ def _load_verified_weights(model: Llama, folder: Path) -> None:
 
 
 def save_training_checkpoint(root: Path, step: int, model: Llama, optimizer_state: dict[str, Any],
-                             trainer_state: dict[str, Any], keep: int = 2,
-                             weights: dict[str, torch.Tensor] | None = None) -> Path:
+                             trainer_state: dict[str, Any], keep: int = 2) -> Path:
     """Write step-N atomically (temp folder + manifest + rename) and keep the newest `keep`."""
-    final = root / f"step-{step:08d}"
-    tmp = root / f".step-{step:08d}.tmp"
+    tmp = checkpoint_tmp_dir(root, step)
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model, tmp, weights=weights)
+    save_model(model, tmp)
     torch.save(optimizer_state, tmp / OPTIMIZER)
+    return finish_checkpoint(root, step, tmp, model.cfg, trainer_state, keep)
+
+
+def checkpoint_tmp_dir(root: Path, step: int) -> Path:
+    return root / f".step-{step:08d}.tmp"
+
+
+def finish_checkpoint(root: Path, step: int, tmp: Path, cfg: LlamaConfig, trainer_state: dict[str, Any],
+                      keep: int = 2) -> Path:
+    """Complete a checkpoint whose weights and optimizer state are in `tmp` (full files, or the shards
+    torch.distributed.checkpoint wrote): config, trainer state, a manifest of every file, rename."""
+    if not (tmp / CONFIG).is_file():
+        atomic_write_json(tmp / CONFIG, {"format": FORMAT, "model": cfg.to_dict()})
     torch.save(trainer_state, tmp / TRAINER)
-    files = {name: {"bytes": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
-             for name in (WEIGHTS, CONFIG, OPTIMIZER, TRAINER)}
+    files = {str(path.relative_to(tmp)): {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+             for path in sorted(tmp.rglob("*")) if path.is_file() and path.name != MANIFEST}
     atomic_write_json(tmp / MANIFEST, {"format": FORMAT, "step": step, "files": files})
     fsync_dir(tmp)
+    final = root / f"step-{step:08d}"
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     fsync_dir(root)
@@ -168,10 +180,11 @@ def latest_valid_checkpoint(root: Path) -> Path | None:
     return None
 
 
-def load_training_state(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(optimizer state, trainer state), loaded without executing any pickled code."""
+def load_training_state(folder: Path) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """(optimizer state, trainer state), loaded without executing any pickled code. The optimizer
+    state is None in a sharded checkpoint (it is in the shards: tasks/sharding.py)."""
     try:
-        optimizer = torch.load(folder / OPTIMIZER, weights_only=True)
+        optimizer = torch.load(folder / OPTIMIZER, weights_only=True) if (folder / OPTIMIZER).is_file() else None
         trainer = torch.load(folder / TRAINER, weights_only=True)
     except Exception as exc:
         raise CheckpointError(f"{folder}: cannot read the training state ({exc})") from None

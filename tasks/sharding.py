@@ -6,26 +6,34 @@
   parameters, gradients and AdamW moments are split across the processes (each holds ~1/N of
   the 16 bytes per parameter) and gathered block by block for compute.
 
-Checkpoints always hold the *full* state: weights as safetensors and the optimizer state keyed by
-parameter name (torch.distributed.checkpoint's full state dicts), gathered to rank 0 when sharded.
-So a checkpoint written under any strategy resumes under any other, on any number of processes.
+Checkpoints of one process or DDP hold the full state: weights as safetensors and the optimizer
+state keyed by parameter name. FSDP checkpoints are sharded: every rank writes its own part with
+torch.distributed.checkpoint (nothing is gathered, so rank 0 never holds the whole training state),
+and loading reshards to whatever the reader runs: one process, DDP, or FSDP on any number of
+processes. So a checkpoint written under any strategy resumes under any other.
 """
 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict,
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from models.checkpoint import checkpoint_tmp_dir, finish_checkpoint
 from models.llama import Llama
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+SHARDS = "shards"  # the torch.distributed.checkpoint folder inside a sharded checkpoint
 
 
 def shard(model: Llama) -> None:
@@ -80,3 +88,50 @@ def _fsdp_no_sync(net: FSDPModule):
 def as_float(value: torch.Tensor) -> float:
     """A scalar that may be a DTensor (FSDP's gradient norm)."""
     return float(value.full_tensor() if hasattr(value, "full_tensor") else value)
+
+
+def is_sharded_checkpoint(folder: Path) -> bool:
+    return (folder / SHARDS).is_dir()
+
+
+def save_sharded_checkpoint(root: Path, step: int, model: Llama, optimizer: torch.optim.Optimizer,
+                            trainer_state: dict[str, Any], keep: int = 2) -> None:
+    """Every rank writes its shards of the weights and optimizer state; rank 0 completes the checkpoint
+    (config, trainer state, manifest, atomic rename) once all have. Collective: every rank calls it."""
+    tmp = checkpoint_tmp_dir(root, step)
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.save(state, checkpoint_id=str(tmp / SHARDS))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        finish_checkpoint(root, step, tmp, model.cfg, trainer_state, keep)
+    dist.barrier()
+
+
+def load_sharded_checkpoint(model: Llama, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Load a sharded checkpoint into this run's model and optimizer, whatever their layout."""
+    _create_optimizer_state(model, optimizer)  # the template torch.distributed.checkpoint fills in
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    with warnings.catch_warnings():  # one process reading every shard is what we mean here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(folder / SHARDS))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+def _create_optimizer_state(model: Llama, optimizer: torch.optim.Optimizer) -> None:
+    """AdamW creates its moments at the first step; make them now with a step that changes nothing
+    (zero gradients, learning rate 0), so they exist to be overwritten by the loaded ones."""
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr

@@ -157,7 +157,8 @@ def train(
     found = latest_valid_checkpoint(checkpoint_dir)
     opt_state = None
     if found is not None:
-        load_weights_into(model, found)
+        if not sharding.is_sharded_checkpoint(found):  # a sharded one loads after the model is laid out
+            load_weights_into(model, found)
         opt_state, trainer_state = load_training_state(found)
         step, tokens = trainer_state["step"], trainer_state["tokens"]
         elapsed_before, horizon = trainer_state["elapsed"], trainer_state["horizon"]
@@ -173,7 +174,9 @@ def train(
     elif world > 1:
         net = torch.nn.parallel.DistributedDataParallel(model, forward_sync_buffers=False)  # rope caches are equal everywhere
     optimizer = make_optimizer(model, s)
-    if opt_state is not None:
+    if found is not None and sharding.is_sharded_checkpoint(found):
+        sharding.load_sharded_checkpoint(model, optimizer, found)
+    elif opt_state is not None:
         sharding.load_optimizer_state(model, optimizer, opt_state)
     net.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -285,15 +288,14 @@ def train(
             horizon_frozen = True
             if is_main:
                 log.info("wall-clock budget of %.1f min -> cosine horizon fixed at %d steps", s.max_minutes, horizon)
-        if checkpoint_now and (is_main or sharding.is_sharded(model)):  # gathering shards takes every rank
-            weights, opt_full = sharding.full_weights(model), sharding.full_optimizer_state(model, optimizer)
-            if is_main:
-                save_training_checkpoint(
-                    checkpoint_dir, step, model, opt_full,
-                    {"step": step, "tokens": tokens, "elapsed": elapsed(), "horizon": horizon,
-                     "history": history, "torch_rng": torch.get_rng_state()},
-                    weights=weights,
-                )
+        if checkpoint_now:
+            trainer_state = {"step": step, "tokens": tokens, "elapsed": elapsed(), "horizon": horizon,
+                             "history": history, "torch_rng": torch.get_rng_state()}
+            if sharding.is_sharded(model):  # every rank writes its own shards
+                sharding.save_sharded_checkpoint(checkpoint_dir, step, model, optimizer, trainer_state)
+            elif is_main:
+                save_training_checkpoint(checkpoint_dir, step, model,
+                                         sharding.full_optimizer_state(model, optimizer), trainer_state)
             last_checkpoint = time.perf_counter()
 
     if world > 1:
