@@ -17,3 +17,8 @@ export CPUFORGE_HOME CPUFORGE_STATE
 if [[ -x "$CPUFORGE_HOME/.venv/bin/prefect" ]]; then
   export PATH="$CPUFORGE_HOME/.venv/bin:$PATH"
 fi
+
+ensure_work_pool() {  # the process pool prefect.yaml deploys to, created once
+  prefect work-pool inspect "$CPUFORGE_WORK_POOL" >/dev/null 2>&1 ||
+    prefect work-pool create "$CPUFORGE_WORK_POOL" --type process
+}

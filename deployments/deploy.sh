@@ -3,6 +3,5 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 cd "$CPUFORGE_HOME"
-prefect work-pool inspect "$CPUFORGE_WORK_POOL" >/dev/null 2>&1 ||
-  prefect work-pool create "$CPUFORGE_WORK_POOL" --type process
+ensure_work_pool
 prefect --no-prompt deploy --all

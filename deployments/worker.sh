@@ -7,8 +7,7 @@
 #     bash deployments/worker.sh
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
-prefect work-pool inspect "$CPUFORGE_WORK_POOL" >/dev/null 2>&1 ||
-  prefect work-pool create "$CPUFORGE_WORK_POOL" --type process
+ensure_work_pool
 cd "$CPUFORGE_HOME"
 # CPUFORGE_WORKER_LIMIT=1: at most one flow run at a time here, so the next one goes to another worker.
 exec prefect worker start --pool "$CPUFORGE_WORK_POOL" --type process --name "cpuforge-$(hostname)" \

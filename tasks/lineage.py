@@ -22,6 +22,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from models.checkpoint import CheckpointError, read_config
+from models.fileio import sha256_file
 from tasks import tracking
 from tasks.config import Config, ModelConfig
 from tasks.corpus import source_fingerprint
@@ -141,20 +142,16 @@ def _pretrain_run(version, label: str) -> str:
 
 def _from_run(run_id: str, workdir: Path, origin: str) -> PretrainedSource:
     """Download a run's ``model`` artifact once into the workdir's cache."""
-    from mlflow.exceptions import MlflowException
-
     folder = Path(workdir) / "cache" / "pretrained" / run_id / "model"
     if not folder.is_dir():
         partial = folder.parent.with_name(run_id + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
         try:
-            tracking._mlflow().artifacts.download_artifacts(run_id=run_id, artifact_path="model", dst_path=str(partial))
-        except MlflowException as exc:
+            tracking.download(f"runs:/{run_id}/model", partial)
+        except ModelError:
             shutil.rmtree(partial, ignore_errors=True)
-            raise ModelError(f"cannot fetch the model artifact of run {run_id} ({origin}): {exc.message}") from None
-        folder.parent.parent.mkdir(parents=True, exist_ok=True)
+            raise
         os.replace(partial, folder.parent)
     source = _from_folder(folder, origin)
     return PretrainedSource(source.folder, source.sha256, f"{origin} (run {run_id})", run_id)
@@ -170,8 +167,7 @@ def _from_folder(path: Path, origin: str) -> PretrainedSource:
         read_config(folder)
     except CheckpointError as exc:
         raise ModelError(str(exc)) from None
-    digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
-    return PretrainedSource(str(folder.resolve()), digest, origin)
+    return PretrainedSource(str(folder.resolve()), sha256_file(folder / "model.safetensors"), origin)
 
 
 def model_section(source: PretrainedSource) -> ModelConfig:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from tokenizers import Tokenizer
 
 from tasks.config import DataConfig
+from tasks.hardware import available_cores
 
 log = logging.getLogger("cpuforge.tokenize")
 
@@ -47,24 +47,19 @@ def encode_piece(tokenizer_json: str, docs: list[str], eod_id: int, dtype_name: 
 
 def encode_pieces(runner, tokenizer_json: str, pieces: list[list[str]], eod_id: int, dtype: np.dtype,
                   out: Path) -> int:
-    """Submit every piece to the runner, write each as it arrives, then join them in order into out.
+    """Submit every piece to the runner and append the results to out in piece order.
 
     The runner is used directly rather than through a subflow: a flow run's parameters are stored by
     the Prefect API (at most 512 KB), a task run's are not, and the pieces are the corpus itself.
     """
-    piece_paths = [out.with_name(f"{out.stem}.piece-{i:05d}.bin") for i in range(len(pieces))]
-    with _workers_share_this_api(), runner:
+    written = 0
+    with _workers_share_this_api(), runner, open(out, "wb") as f:
         futures = [runner.submit(encode_piece, {"tokenizer_json": tokenizer_json, "docs": piece, "eod_id": eod_id,
                                                 "dtype_name": dtype.name}) for piece in pieces]
-        for future, path in zip(futures, piece_paths):
-            future.result().tofile(path)
-    written = 0
-    with open(out, "wb") as f:
-        for path in piece_paths:
-            data = path.read_bytes()
-            f.write(data)
-            written += len(data) // dtype.itemsize
-            path.unlink()
+        for future in futures:  # pieces finish in any order; they are written in document order
+            tokens = future.result()
+            tokens.tofile(f)
+            written += len(tokens)
     return written
 
 
@@ -82,11 +77,16 @@ def _workers_share_this_api():
     return temporary_settings({PREFECT_API_URL: server.api_url})
 
 
+def runner_kind(data: DataConfig) -> str:
+    """'single', 'process' or 'dask': a scheduler address means Dask whatever encode_runner says."""
+    return "dask" if data.dask_address else data.encode_runner
+
+
 def task_runner(data: DataConfig, n_pieces: int):
     """The runner data.encode_runner names: a local process pool, or Dask (a scheduler at
     data.dask_address, else a local cluster started for this split)."""
-    workers = data.encode_workers or os.cpu_count() or 1
-    if data.dask_address or data.encode_runner == "dask":
+    workers = data.encode_workers or available_cores()
+    if runner_kind(data) == "dask":
         from prefect_dask import DaskTaskRunner
 
         if data.dask_address:

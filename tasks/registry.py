@@ -12,7 +12,6 @@ reason are logged on the ``register`` run, tagged on the version, and returned f
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -91,21 +90,6 @@ def _alias_version(client, name: str, alias: str) -> str | None:
         return None
 
 
-def fetch_registered(uri: str, tracking_uri: str | None, dst: Path) -> Path:
-    """Download a `models:/NAME@alias` (or `models:/NAME/VERSION`, `runs:/...`) model to dst."""
-    mlflow = tracking._mlflow()
-    from mlflow.exceptions import MlflowException
-
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    if tracking_uri:  # models:/ URIs resolve through the global registry URI, whatever is passed below
-        mlflow.set_tracking_uri(tracking_uri)
-        mlflow.set_registry_uri(tracking_uri)
-    try:
-        return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
-    except MlflowException as exc:
-        raise ModelError(f"cannot fetch {uri} from the MLflow store {tracking_uri}: {exc.message}") from None
-
-
 def register(ctx: StageContext, tokenized: StageRecord, quantized: StageRecord, evaluated: StageRecord,
              lineage: dict[str, str] | None = None) -> dict[str, Any]:
     """Register the final model (or find the version that already holds it) and run the champion gate.
@@ -151,7 +135,7 @@ def register(ctx: StageContext, tokenized: StageRecord, quantized: StageRecord, 
             if champion_version is not None:
                 try:
                     with tempfile.TemporaryDirectory(prefix="cpuforge-champion-") as tmp:
-                        folder = fetch_registered(f"models:/{name}/{champion_version}", None, Path(tmp))
+                        folder = tracking.download(f"models:/{name}/{champion_version}", Path(tmp))
                         champion_score = score_text(load_language_model(folder), text)
                 except (ModelLoadError, ModelError, DataError, ValueError) as exc:
                     champion_error = str(exc)
@@ -212,7 +196,7 @@ def open_model(spec: str, tracking_uri: str | None = None) -> LanguageModel:
         if spec.startswith(("models:/", "runs:/")):
             with tempfile.TemporaryDirectory(prefix="cpuforge-model-") as tmp:
                 # onnxruntime reads the whole file when the session is made: the download can go afterwards.
-                return load_language_model(fetch_registered(spec, tracking_uri, Path(tmp)))
+                return load_language_model(tracking.download(spec, Path(tmp), tracking_uri))
         return load_language_model(Path(spec))
     except ModelLoadError as exc:
         raise ModelError(str(exc)) from None

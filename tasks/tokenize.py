@@ -25,6 +25,7 @@ from tasks.corpus import Corpus, load_corpus, source_fingerprint
 from tasks.errors import DataError
 from tasks.progress import progress_bar
 from tasks.publish import finish_stage
+from tasks.parallel_encode import encode_split_in_parallel, runner_kind
 from tasks.stage import SERVICE_RETRIES, StageContext, StageOutput, StageSpec, run_stage
 
 log = logging.getLogger("cpuforge.tokenize")
@@ -252,10 +253,7 @@ def tokenize(cfg: Config, out_dir: Path, cache_dir: Path) -> StageOutput:
         n_bytes = sum(len(d.encode("utf-8")) for d in split_docs)
         t0 = time.perf_counter()
         chars = sum(len(d) for d in split_docs)
-        parallel = data.dask_address or data.encode_runner != "single"
-        if parallel and chars > data.piece_bytes:  # big enough to be worth workers
-            from tasks.parallel_encode import encode_split_in_parallel
-
+        if runner_kind(data) != "single" and chars > data.piece_bytes:  # big enough to be worth workers
             tokens = encode_split_in_parallel(tokenizer, split_docs, eod_id, dtype, out_dir / f"{name}.bin", data)
         else:
             with progress_bar(f"tokenize {name} (chars)", chars) as advance:

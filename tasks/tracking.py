@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.config import Config
+from tasks.errors import ModelError
 
 log = logging.getLogger("cpuforge.tracking")
 
@@ -54,6 +55,21 @@ def is_embedded(uri: str) -> bool:
 def run_url(uri: str, experiment_id: str, run_id: str) -> str:
     base = uri.rstrip("/") if uri.startswith(("http://", "https://")) else DEFAULT_UI_URL
     return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def download(uri: str, dst: Path, tracking_uri: str | None = None) -> Path:
+    """Download a `models:/NAME@alias` (or `models:/NAME/VERSION`, `runs:/ID/PATH`) artifact into dst."""
+    mlflow = _mlflow()
+    from mlflow.exceptions import MlflowException
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    if tracking_uri:  # models:/ URIs resolve through the global registry URI, whatever is passed below
+        mlflow.set_tracking_uri(tracking_uri)
+        mlflow.set_registry_uri(tracking_uri)
+    try:
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(dst)))
+    except MlflowException as exc:
+        raise ModelError(f"cannot fetch {uri} from the MLflow store {tracking_uri}: {exc.message}") from None
 
 
 def setup(cfg: Config, workdir: Path) -> tuple[str, str]:

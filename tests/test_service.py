@@ -5,6 +5,7 @@ Every process the stack started is stopped by PID at the end."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -74,22 +75,14 @@ def _logs(state: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((state / "logs").glob("*.log")))
 
 
+@contextlib.contextmanager
 def prefect_client(stack):
+    """A client of the stack's Prefect API (not the test session's temporary one)."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    class Client:
-        def __enter__(self):
-            self._settings = temporary_settings({PREFECT_API_URL: stack["api"]})
-            self._settings.__enter__()
-            self._client = get_client(sync_client=True)
-            return self._client.__enter__()
-
-        def __exit__(self, *exc):
-            self._client.__exit__(*exc)
-            self._settings.__exit__(*exc)
-
-    return Client()
+    with temporary_settings({PREFECT_API_URL: stack["api"]}), get_client(sync_client=True) as client:
+        yield client
 
 
 def trigger(stack, deployment: str, parameters: dict) -> uuid.UUID:
