@@ -188,7 +188,15 @@ def _workdir(args: argparse.Namespace) -> str:
     return str(workdir)
 
 
+_reaper = None
+
+
 def _run_flow(flow_fn, **params: Any) -> int:
+    global _reaper
+    if _reaper is None:  # whatever ends this process, what it started (Prefect's API server...) ends too
+        from flows import reaper
+
+        _reaper = reaper.start()
     _quiet_user_error_tracebacks()
     logging.getLogger("cpuforge").setLevel(logging.INFO)
     try:

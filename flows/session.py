@@ -1,5 +1,5 @@
 """What the flows share: their flat UI-form settings, one summary and one MLflow parent run per
-flow run, each stage's Prefect state, and the training concurrency limit."""
+flow run, and each stage's Prefect state."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from prefect.runtime import flow_run
 from tasks import tracking
 from tasks.config import Config, load_config
 from tasks.lineage import PretrainedSource, with_source
-from tasks.stage import MACHINE_TRAINING_TAG, StageContext
+from tasks.stage import StageContext
 from tasks.store import StageRecord
 from tasks.summary import add_stage, new_summary, write_summary
 
@@ -52,20 +52,6 @@ def flow_config(profile: str, config_file: str | None, overrides: Sequence[str] 
     return load_config(profile, config_file or None, [*form_overrides(**form), *(overrides or ())])
 
 
-def ensure_training_limit(slots: int = 1) -> None:
-    """A concurrency limit on this machine's training tag, unless one is set already (then it is left
-    as it is: `prefect concurrency-limit create <tag> N` changes it)."""
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
-    with get_client(sync_client=True) as client:
-        try:
-            client.read_concurrency_limit_by_tag(MACHINE_TRAINING_TAG)
-        except ObjectNotFound:
-            client.create_concurrency_limit(tag=MACHINE_TRAINING_TAG, concurrency_limit=slots)
-            log.info("concurrency limit: %d training at a time on this machine (tag %s)", slots, MACHINE_TRAINING_TAG)
-
-
 FindPretrained = Callable[[Config, Path], "PretrainedSource | None"]
 
 
@@ -85,7 +71,6 @@ def flow_session(
     try:
         uri, experiment_id = tracking.setup(cfg, root)
         summary.update(mlflow_tracking_uri=uri, mlflow_experiment_id=experiment_id)
-        ensure_training_limit()
         source = find_pretrained(cfg, root) if find_pretrained else None
         if source is not None:
             cfg = with_source(cfg, source, adopt_shape)
@@ -93,6 +78,7 @@ def flow_session(
         with tracking.pipeline_run(cfg, root, run_name=flow_run.get_name() or run_id[:8],
                                    tags={"cpuforge.run_id": run_id, "cpuforge.flow": flow_name}) as parent_run_id:
             summary["mlflow_run_id"] = parent_run_id
+            tracking.end_abandoned_runs(experiment_id, found_by=f"cpuforge run {run_id} (MLflow run {parent_run_id})")
             yield summary, StageContext(cfg, root, parent_run_id, uri, experiment_id), source
         summary["status"] = "completed"
     except Exception as exc:

@@ -27,13 +27,13 @@ from tasks.errors import UserError
 from tasks.lineage import PretrainedSource
 from tasks.publish import finish_stage
 from tasks.reports import training_reports
-from tasks.stage import MACHINE_TRAINING_TAG, TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, StageSpec, run_stage
+from tasks.stage import TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, StageSpec, run_stage
 from tasks.store import StageRecord
 from tasks.training_run import execute, model_config, training_spec, world_size
 
 log = logging.getLogger("cpuforge.pretrain")
 
-SPEC = StageSpec(name="pretrain", version="1", sections=("model", "train"))
+SPEC = StageSpec(name="pretrain", version="1", sections=("model", "train"), resumable=True)
 
 
 def pretrain(cfg: Config, tokenized: StageRecord, out_dir: Path, run_id: str, ctx: StageContext,
@@ -84,7 +84,7 @@ def _check_resumable(checkpoints: Path, expected: LlamaConfig) -> None:
             raise UserError(str(exc)) from None
 
 
-@task(name="pretrain", cache_policy=NO_CACHE, tags=[TRAINING_TAG, MACHINE_TRAINING_TAG], **TRAINING_RETRIES)
+@task(name="pretrain", cache_policy=NO_CACHE, tags=[TRAINING_TAG], **TRAINING_RETRIES)
 def pretrain_task(ctx: StageContext, tokenize: StageRecord, init: PretrainedSource | None = None) -> State:
     """A retry (or a rerun after a crash) resumes from the stage's last checkpoint."""
     record = run_stage(SPEC, ctx, lambda out_dir, run_id: pretrain(ctx.cfg, tokenize, out_dir, run_id, ctx, init),

@@ -25,13 +25,13 @@ from tasks.data import open_shards
 from tasks.errors import UserError
 from tasks.publish import finish_stage
 from tasks.reports import training_reports
-from tasks.stage import MACHINE_TRAINING_TAG, TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, StageSpec, run_stage
+from tasks.stage import TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, StageSpec, run_stage
 from tasks.store import StageRecord
 from tasks.training_run import execute, training_spec, world_size
 
 log = logging.getLogger("cpuforge.recover")
 
-SPEC = StageSpec(name="recover", version="1", sections=("recover", "train"))
+SPEC = StageSpec(name="recover", version="1", sections=("recover", "train"), resumable=True)
 
 
 def distillation_loss(teacher: Llama, temperature: float, kd_weight: float, lm_weight: float):
@@ -80,7 +80,7 @@ def recover(cfg: Config, tokenized: StageRecord, pretrained: StageRecord, pruned
     )
 
 
-@task(name="recover", cache_policy=NO_CACHE, tags=[TRAINING_TAG, MACHINE_TRAINING_TAG], **TRAINING_RETRIES)
+@task(name="recover", cache_policy=NO_CACHE, tags=[TRAINING_TAG], **TRAINING_RETRIES)
 def recover_task(ctx: StageContext, tokenize: StageRecord, pretrain: StageRecord, prune: StageRecord) -> State:
     """A retry (or a rerun after a crash) resumes from the stage's last checkpoint."""
     record = run_stage(

@@ -8,7 +8,6 @@ Every stage module defines a ``SPEC`` and a plain function ``work(out_dir, run_i
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,15 +21,17 @@ from tasks.store import StageRecord, StageStore, stage_key
 
 log = logging.getLogger("cpuforge.stage")
 
-# Training tasks carry both tags. The flow keeps a concurrency limit of 1 on the per-machine
-# tag, so two trainings on one machine queue instead of halving each other's cores, while
-# workers on other machines train at the same time; the plain tag groups them in the UI.
+# Groups the training tasks in the UI. Trainings on one machine queue through a machine-wide file
+# lock (tasks/locks.py: a killed run cannot leave it held), not a Prefect concurrency limit.
 TRAINING_TAG = "cpuforge-training"
-MACHINE_TRAINING_TAG = f"cpuforge-training-{socket.gethostname().lower()}"
 
 
 def retry_unless_user_error(task, task_run, state) -> bool:
-    """Prefect retry condition: a bad config or input fails the same way again, anything else may not."""
+    """Prefect retry condition: a bad config or input fails the same way again, anything else may not.
+    A crashed run (stopped by a signal: SIGTERM, Ctrl-C, a cancellation) is never retried: the user
+    asked it to stop."""
+    if state.is_crashed() or state.is_cancelled():
+        return False
     try:
         state.result()
     except UserError:
@@ -51,6 +52,7 @@ class StageSpec:
     name: str
     version: str  # bump when the stage's output for the same inputs changes
     sections: tuple[str, ...]  # the config sections that determine its output
+    resumable: bool = False  # keep an interrupted attempt's partial folder (training resumes from its checkpoints)
 
 
 @dataclass
@@ -129,7 +131,7 @@ def run_stage(
         return reuse(found)
 
     with tracking.stage_run(spec.name, ctx.parent_run_id, params, key, ctx.cfg.tracking.system_metrics) as run_id:
-        with store.building(spec.name, key) as partial:
+        with store.building(spec.name, key, spec.resumable) as partial:
             found = store.lookup(spec.name, key)  # another process may have finished it meanwhile
             if found is None:
                 output = work(partial, run_id)

@@ -9,7 +9,6 @@ is therefore always complete, and the same inputs always map to the same folder.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -22,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from models.fileio import atomic_write_text
-from tasks.errors import UserError
+from tasks.locks import hold
 
 STAGE_ORDER = ("tokenize", "pretrain", "prune", "recover", "export", "quantize", "evaluate")
 RECORD_FILE = "record.json"
@@ -77,21 +76,20 @@ class StageStore:
         return record.model_copy(update={"output_dir": str(record_path.parent)})
 
     @contextlib.contextmanager
-    def building(self, stage: str, key: str) -> Iterator[Path]:
-        """Hold the build lock of a stage output and yield its partial folder."""
+    def building(self, stage: str, key: str, resumable: bool = False) -> Iterator[Path]:
+        """Hold the build lock of a stage output and yield its partial folder.
+
+        Another process building the same output is waited for (its result is then reused). A
+        partial folder left by an interrupted attempt is kept for a resumable stage (training
+        resumes from its checkpoints) and cleared for any other, which starts over.
+        """
         final = self.final_dir(stage, key)
         partial = final.with_name(final.name + ".partial")
         self.root.mkdir(parents=True, exist_ok=True)
         lock_path = self.root / ".locks" / f"{final.name}.lock"
-        lock_path.parent.mkdir(exist_ok=True)
-        with open(lock_path, "w") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise UserError(
-                    f"stage {stage} is being built by another cpuforge process (lock {lock_path}); "
-                    "wait for it to finish or stop it"
-                ) from None
+        with hold(lock_path, f"building {final.name}", f"{final.name}, which another cpuforge run is building"):
+            if partial.exists() and not resumable:
+                shutil.rmtree(partial)
             partial.mkdir(exist_ok=True)
             yield partial
 

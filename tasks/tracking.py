@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import time
 import warnings
 from collections.abc import Iterator
@@ -27,6 +28,11 @@ TAG_KEY = "cpuforge.stage_key"
 TAG_CACHED = "cpuforge.cached"
 TAG_SOURCE_RUN = "cpuforge.source_run_id"
 TAG_PROFILE = "cpuforge.profile"
+# The process that owns a run, so the next run can tell an abandoned RUNNING run from a live one.
+TAG_HOST = "cpuforge.host"
+TAG_PID = "cpuforge.pid"
+TAG_PID_STARTED = "cpuforge.pid_started"
+TAG_ENDED_BY = "cpuforge.ended_by"
 
 # mlflow.set_tracking_uri() writes MLFLOW_TRACKING_URI into os.environ, so read the user's
 # value once, before we ever set it; otherwise a second run in this process would inherit
@@ -89,6 +95,41 @@ def setup(cfg: Config, workdir: Path) -> tuple[str, str]:
     return uri, experiment_id
 
 
+def _owner_tags() -> dict[str, str]:
+    import psutil
+
+    return {TAG_HOST: socket.gethostname(), TAG_PID: str(os.getpid()),
+            TAG_PID_STARTED: f"{psutil.Process().create_time():.2f}"}
+
+
+def _owner_alive(tags: dict[str, str]) -> bool:
+    import psutil
+
+    try:
+        return f"{psutil.Process(int(tags[TAG_PID])).create_time():.2f}" == tags.get(TAG_PID_STARTED)
+    except (psutil.NoSuchProcess, ValueError, KeyError):
+        return False
+
+
+def end_abandoned_runs(experiment_id: str, found_by: str) -> list[str]:
+    """End as KILLED the runs of this experiment that are still RUNNING although the process on this
+    machine that owned them is gone (a run killed with SIGKILL, or a machine that lost power), and
+    tag each with the run that found it. Runs owned by other machines are left to them."""
+    client = _mlflow().MlflowClient()
+    host = socket.gethostname()
+    stale = [run for run in client.search_runs(
+                 [experiment_id], filter_string=f"attributes.status = 'RUNNING' and tags.`{TAG_HOST}` = '{host}'",
+                 max_results=1000)
+             if not _owner_alive(run.data.tags)]
+    for run in stale:
+        client.set_tag(run.info.run_id, TAG_ENDED_BY, found_by)
+        client.set_terminated(run.info.run_id, status="KILLED")
+    if stale:
+        log.warning("ended %d MLflow run(s) left RUNNING by a killed process as KILLED: %s",
+                    len(stale), ", ".join(f"{r.info.run_name} ({r.info.run_id})" for r in stale))
+    return [run.info.run_id for run in stale]
+
+
 @contextlib.contextmanager
 def _killed_when_interrupted() -> Iterator[None]:
     """A run stopped by a cancellation or Ctrl-C (not an Exception) ends KILLED; one that failed, FAILED."""
@@ -105,7 +146,8 @@ def _killed_when_interrupted() -> Iterator[None]:
 def pipeline_run(cfg: Config, workdir: Path, run_name: str, tags: dict[str, str]) -> Iterator[str]:
     """The parent run of one pipeline run; ends FAILED if the body raises, KILLED if it is cancelled."""
     mlflow = _mlflow()
-    with mlflow.start_run(run_name=run_name, tags={TAG_PROFILE: cfg.profile, **tags}) as run, _killed_when_interrupted():
+    with mlflow.start_run(run_name=run_name, tags={TAG_PROFILE: cfg.profile, **_owner_tags(), **tags}) as run, \
+            _killed_when_interrupted():
         mlflow.log_params({"profile": cfg.profile, "workdir": str(Path(workdir).resolve())})
         mlflow.log_text(cfg.to_yaml(), "config.yaml")
         yield run.info.run_id
@@ -119,7 +161,7 @@ def stage_run(stage: str, parent_run_id: str | None, params: dict[str, Any], key
         run_name=stage,
         nested=parent_run_id is not None,
         parent_run_id=parent_run_id,
-        tags={TAG_STAGE: stage, TAG_KEY: key, TAG_CACHED: "false"},
+        tags={TAG_STAGE: stage, TAG_KEY: key, TAG_CACHED: "false", **_owner_tags()},
         log_system_metrics=system_metrics,
     ) as run, _killed_when_interrupted():
         mlflow.log_params(params)

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import asdict, replace
@@ -30,6 +31,7 @@ from tasks import sharding, tracking
 from tasks.config import Config
 from tasks.data import open_shards, token_byte_lengths, val_batches
 from tasks.errors import ConfigError
+from tasks.locks import training_slot
 from tasks.hardware import available_cores, choose_precision, matmul_peak
 from tasks.progress import budget_bar
 from tasks.stage import StageContext
@@ -87,14 +89,16 @@ def training_spec(kind: str, cfg: Config, tokenize_dir: Path | str, out_dir: Pat
 
 
 def execute(spec: dict[str, Any], cfg: Config, key: str) -> dict[str, Any]:
-    """Train as the spec says, here or under torchrun; returns rank 0's result summary."""
+    """Train as the spec says, here or under torchrun; returns rank 0's result summary. Holds one of
+    this machine's training slots meanwhile, waiting for one if they are all taken."""
     out_dir = Path(spec["out_dir"])
-    if world_size(cfg) > 1:
-        spec_path = out_dir / "launch.json"
-        atomic_write_json(spec_path, spec)
-        launch_torchrun(cfg, spec_path, key)
-        return json.loads((out_dir / "result.json").read_text())
-    return run_training(spec)
+    with training_slot(f"{spec['kind']} {out_dir.name}"):
+        if world_size(cfg) > 1:
+            spec_path = out_dir / "launch.json"
+            atomic_write_json(spec_path, spec)
+            launch_torchrun(cfg, spec_path, key)
+            return json.loads((out_dir / "result.json").read_text())
+        return run_training(spec)
 
 
 def _build(spec: dict[str, Any], cfg: Config, vocab_size: int):
@@ -158,8 +162,25 @@ def launch_torchrun(cfg: Config, spec_path: Path, key: str) -> None:
            "-m", "tasks.distributed", str(spec_path)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_process(cfg))}
     log.info("launching: %s", " ".join(cmd))
-    proc = subprocess.run(cmd, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"torchrun exited with code {proc.returncode} (its workers' logs are above)")
+    # A session of its own, so that when this process is stopped (SIGTERM, Ctrl-C, a cancellation)
+    # torchrun and every worker it started are stopped with it instead of training on as orphans.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        returncode = proc.wait()
+    except BaseException:
+        stop_process_group(proc)
+        raise
+    if returncode != 0:
+        raise RuntimeError(f"torchrun exited with code {returncode} (its workers' logs are above)")
 
 
+def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the process group, then SIGKILL whatever is still there after the grace period."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue

@@ -15,6 +15,8 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
 os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"] = "cpuforge"
 os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"
+# The machine-wide training slots, for this test session only (a user's own runs are not waited for).
+os.environ.setdefault("CPUFORGE_LOCK_DIR", tempfile.mkdtemp(prefix="cpuforge-locks-"))
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.pop("MLFLOW_TRACKING_URI", None)

@@ -1,19 +1,24 @@
-"""Running cpuforge unattended: retries that resume training, a concurrency limit that queues
-trainings on one machine, and which errors are worth a retry."""
+"""Running cpuforge unattended: retries that resume training, training slots that queue trainings
+on one machine (and that a killed run cannot keep), and which errors are worth a retry."""
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
-from prefect import flow, task
-from prefect.states import Failed
+from prefect import flow
+from prefect.states import Crashed, Failed
 
 from tasks import tracking
 from tasks.config import load_config
 from tasks.errors import DataError
+from tasks.locks import training_slot
 from tasks.pretrain import pretrain_task
-from tasks.stage import MACHINE_TRAINING_TAG, TRAINING_TAG, StageContext, retry_unless_user_error
+from tasks.stage import TRAINING_TAG, StageContext, retry_unless_user_error
 from tasks.tokenize import tokenize_task
 from tests.conftest import make_text
 
@@ -21,6 +26,8 @@ from tests.conftest import make_text
 def test_a_users_error_is_not_retried_and_anything_else_is():
     assert retry_unless_user_error(None, None, Failed(data=DataError("the corpus is empty"))) is False
     assert retry_unless_user_error(None, None, Failed(data=RuntimeError("torchrun exited with code -9"))) is True
+    # stopped by SIGTERM, Ctrl-C or a cancellation: the user asked it to stop, a retry would train on
+    assert retry_unless_user_error(None, None, Crashed(message="aborted by a termination signal")) is False
 
 
 def test_a_training_that_crashes_is_retried_and_resumes_from_its_last_checkpoint(tmp_path, prefect_server, monkeypatch):
@@ -60,30 +67,42 @@ def test_a_training_that_crashes_is_retried_and_resumes_from_its_last_checkpoint
 
     with get_client(sync_client=True) as client:
         assert client.read_task_run(task_run_id).run_count == 2  # one retry, not a fresh start
-    assert pretrain_task.tags == {TRAINING_TAG, MACHINE_TRAINING_TAG} and pretrain_task.retries >= 1
+    assert pretrain_task.tags == {TRAINING_TAG} and pretrain_task.retries >= 1
 
 
-def test_two_trainings_on_one_machine_run_one_after_the_other(prefect_server):
-    from flows.session import ensure_training_limit
-
+def test_two_trainings_on_one_machine_run_one_after_the_other(caplog):
     spans: list[tuple[float, float]] = []
     lock = threading.Lock()
 
-    @task(tags=[MACHINE_TRAINING_TAG])
-    def fake_training():
-        start = time.monotonic()
-        time.sleep(1.5)
-        with lock:
-            spans.append((start, time.monotonic()))
+    def fake_training(name: str):
+        with training_slot(name):
+            start = time.monotonic()
+            time.sleep(1.5)
+            with lock:
+                spans.append((start, time.monotonic()))
 
-    @flow
-    def two_at_once():
-        ensure_training_limit()
-        futures = [fake_training.submit(), fake_training.submit()]
-        for f in futures:
-            f.result()
-
-    two_at_once()
+    with caplog.at_level(logging.INFO, logger="cpuforge.locks"):
+        threads = [threading.Thread(target=fake_training, args=(f"pretrain {i}",)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     (a_start, a_end), (b_start, b_end) = sorted(spans)
     assert b_start >= a_end - 0.05, f"the trainings overlapped: {spans}"
+    assert "waiting" in caplog.text and "a training slot on this machine, held by pretrain" in caplog.text
 
+
+def test_a_training_killed_with_sigkill_frees_its_slot_at_once(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys, time
+        from tasks.locks import training_slot
+        with training_slot("pretrain (killed)"):
+            print("holding", flush=True)
+            time.sleep(600)
+    """)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "holding"
+    holder.kill()
+    holder.wait()
+    started = time.monotonic()
+    with training_slot("next run"):
+        assert time.monotonic() - started < 10  # no lease to wait out: the kernel dropped the lock

@@ -1,8 +1,10 @@
+import logging
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from tasks.errors import UserError
 from tasks.store import StageRecord, StageStore, stage_key
 
 
@@ -49,12 +51,37 @@ def test_a_corrupted_record_is_not_reused(tmp_path: Path):
     assert store.lookup("tokenize", "c" * 64) is None
 
 
-def test_two_builders_of_the_same_stage_do_not_collide(tmp_path: Path):
+def test_a_second_builder_of_the_same_stage_waits_and_then_finds_it_built(tmp_path: Path, caplog):
     store = StageStore(tmp_path)
-    with store.building("tokenize", "d" * 64):
-        with pytest.raises(UserError, match="being built by another cpuforge process"):
-            with store.building("tokenize", "d" * 64):
-                pass
+    key = "d" * 64
+    first_has_lock = threading.Event()
+
+    def first_builder():
+        with store.building("tokenize", key) as partial:
+            first_has_lock.set()
+            time.sleep(1.5)
+            store.commit(partial, StageRecord(stage="tokenize", key=key, output_dir=str(partial)))
+
+    thread = threading.Thread(target=first_builder)
+    thread.start()
+    first_has_lock.wait()
+    started = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="cpuforge.locks"), store.building("tokenize", key):
+        waited = time.monotonic() - started
+        found = store.lookup("tokenize", key)
+    thread.join()
+    assert waited >= 1.0 and found is not None  # it waited, then the first builder's output was there
+    assert "which another cpuforge run is building" in caplog.text and "building tokenize-" in caplog.text
+
+
+def test_an_interrupted_attempt_is_cleared_unless_the_stage_resumes(tmp_path: Path):
+    store = StageStore(tmp_path)
+    for resumable in (False, True):
+        key = ("e" if resumable else "f") * 64
+        with store.building("quantize", key, resumable=resumable) as partial:
+            (partial / "candidates").mkdir()  # an attempt killed halfway
+        with store.building("quantize", key, resumable=resumable) as partial:
+            assert (partial / "candidates").exists() == resumable
 
 
 def test_a_setting_changes_the_config_of_only_the_stages_that_read_it():
