@@ -64,8 +64,8 @@ def free_port() -> int:
 class Reference:
     """The uninterrupted run everything is compared with."""
 
-    def __init__(self, root: Path, prefect_home: Path) -> None:
-        run = start_run(root / "reference", prefect_home=prefect_home)
+    def __init__(self, root: Path, prefect_home: Path, env: dict) -> None:
+        run = start_run(root / "reference", prefect_home=prefect_home, env=env)
         if run.wait(RUN_TIMEOUT) != 0:
             raise SystemExit(f"the uninterrupted reference run failed:\n{run.output()[-3000:]}")
         summary = latest_summary(root / "reference")
@@ -102,10 +102,11 @@ def finish(cell: Cell, ref: Reference, workdir: Path, prefect_home: Path, overri
     cell.running_left += sum(r["status"] == "RUNNING" for r in mlflow_runs(workdir))
 
 
-def interrupt_inside(stage: str, sig: int, cell: Cell, ref: Reference, root: Path, prefect_home: Path, rng) -> None:
+def interrupt_inside(stage: str, sig: int, cell: Cell, ref: Reference, root: Path, prefect_home: Path, env: dict,
+                     rng) -> None:
     workdir = root / f"{cell.name.replace(' ', '-')}-{cell.tried}"
     cell.tried += 1
-    attempt = start_run(workdir, prefect_home=prefect_home)
+    attempt = start_run(workdir, prefect_home=prefect_home, env=env)
     wait_until(lambda: building(workdir, stage), attempt, RUN_TIMEOUT, f"the {stage} stage")
     time.sleep(rng.uniform(0, 1.5 if stage in ("tokenize", "prune") else 4.0))
     hit = next((s for s in STAGES if building(workdir, s) and not finished(workdir, s)), "between stages")
@@ -117,10 +118,10 @@ def interrupt_inside(stage: str, sig: int, cell: Cell, ref: Reference, root: Pat
     left = leftovers_after(attempt.marker)
     cell.orphans += len(left)
     kill_all(left)
-    finish(cell, ref, workdir, prefect_home)
+    finish(cell, ref, workdir, prefect_home, env=env)
 
 
-def full_disk(cell: Cell, ref: Reference, root: Path, prefect_home: Path) -> None:
+def full_disk(cell: Cell, ref: Reference, root: Path, prefect_home: Path, env: dict) -> None:
     workdir = root / "disk"
     workdir.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(workdir)]).returncode != 0:
@@ -128,7 +129,7 @@ def full_disk(cell: Cell, ref: Reference, root: Path, prefect_home: Path) -> Non
         return
     try:
         cell.tried += 1
-        attempt = start_run(workdir, prefect_home=prefect_home)
+        attempt = start_run(workdir, prefect_home=prefect_home, env=env)
         code = attempt.wait(RUN_TIMEOUT)
         last = attempt.output().strip().splitlines()[-1]
         cell.notes.append(f"full disk: exit {code}, last line {last[:140]!r}")
@@ -136,47 +137,60 @@ def full_disk(cell: Cell, ref: Reference, root: Path, prefect_home: Path) -> Non
             cell.notes.append("a traceback after the error line")
         cell.orphans += len(leftovers_after(attempt.marker))
         subprocess.run(["mount", "-o", "remount,size=2g", str(workdir)], check=True)
-        finish(cell, ref, workdir, prefect_home)
+        finish(cell, ref, workdir, prefect_home, env=env)
     finally:
         subprocess.run(["umount", "-l", str(workdir)])
 
 
-def server_outage(kind: str, cell: Cell, ref: Reference, root: Path, prefect_home: Path) -> None:
-    """Stop the tracking (MLflow) or orchestration (Prefect) server while pretraining runs, start it
-    again 20 s later on the same port, and see the run through."""
-    port = free_port()
-    state = root / f"{kind}-server"
-    state.mkdir()
-    if kind == "mlflow":
-        cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-               "--backend-store-uri", f"sqlite:///{state}/mlflow.db", "--artifacts-destination", str(state / "art")]
-        env, overrides, health = {}, [f"tracking.uri=http://127.0.0.1:{port}"], f"http://127.0.0.1:{port}/health"
-    else:
-        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-        env = {"PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
-        overrides, health = [], f"http://127.0.0.1:{port}/api/health"
+class Server:
+    """An MLflow or Prefect server on a free loopback port, in a session of its own."""
 
-    def serve() -> subprocess.Popen:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, "PREFECT_HOME": str(prefect_home)})
-        deadline = time.monotonic() + 120
+    def __init__(self, kind: str, state: Path, prefect_home: Path) -> None:
+        self.kind, self.port, self.prefect_home = kind, free_port(), prefect_home
+        state.mkdir(parents=True, exist_ok=True)
+        self.state = state
+        base = f"http://127.0.0.1:{self.port}"
+        if kind == "mlflow":
+            self.cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+                        "--workers", "1", "--backend-store-uri", f"sqlite:///{state}/mlflow.db",
+                        "--artifacts-destination", str(state / "artifacts")]
+            self.health, self.overrides, self.env = f"{base}/health", [f"tracking.uri={base}"], {}
+        else:
+            self.cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port)]
+            self.health, self.overrides, self.env = f"{base}/api/health", [], {"PREFECT_API_URL": f"{base}/api"}
+        self.proc = self.start()
+
+    def start(self) -> subprocess.Popen:
+        proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, "PREFECT_HOME": str(self.prefect_home)})
+        deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):
-                if urllib.request.urlopen(health, timeout=2).status == 200:
+                if urllib.request.urlopen(self.health, timeout=2).status == 200:
+                    self.proc = proc
                     return proc
             time.sleep(1)
-        raise RuntimeError(f"the {kind} server did not start")
+        raise RuntimeError(f"the {self.kind} server did not start")
 
-    server = serve()
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def server_outage(kind: str, cell: Cell, ref: Reference, root: Path, prefect_home: Path, env: dict) -> None:
+    """Stop the tracking (MLflow) or orchestration (Prefect) server while pretraining runs, start it
+    again 20 s later on the same port, and see the run through."""
+    server = Server(kind, root / f"{kind}-server", prefect_home)
+    env = {**env, **server.env}
     workdir = root / f"{kind}-outage"
     try:
         cell.tried += 1
-        attempt = start_run(workdir, overrides=overrides, prefect_home=prefect_home, env=env)
+        attempt = start_run(workdir, overrides=server.overrides, prefect_home=prefect_home, env=env)
         wait_until(lambda: building(workdir, "pretrain"), attempt, RUN_TIMEOUT, "pretraining")
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
+        server.kill()
         time.sleep(20)
-        server = serve()
+        server.start()
         code = attempt.wait(RUN_TIMEOUT)
         cell.notes.append(f"run through the outage: exit {code}"
                           + ("" if code == 0 else f" ({attempt.output().strip().splitlines()[-1][:140]})"))
@@ -187,18 +201,17 @@ def server_outage(kind: str, cell: Cell, ref: Reference, root: Path, prefect_hom
             cell.identical += same
             cell.notes += [why] if why else []
         else:
-            finish(cell, ref, workdir, prefect_home, overrides, env)
+            finish(cell, ref, workdir, prefect_home, server.overrides, env)
         if kind == "mlflow":  # the runs live on the server: count those left RUNNING there
-            cell.running_left += sum(r["status"] == "RUNNING" for r in mlflow_runs(state))
+            cell.running_left += sum(r["status"] == "RUNNING" for r in mlflow_runs(server.state))
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.pid, signal.SIGKILL)
+        server.kill()
 
 
-def concurrent(cell: Cell, ref: Reference, root: Path, prefect_home: Path) -> None:
+def concurrent(cell: Cell, ref: Reference, root: Path, prefect_home: Path, env: dict) -> None:
     workdir = root / "concurrent"
     cell.tried += 2
-    runs = [start_run(workdir, prefect_home=prefect_home, log_name=f"concurrent-{i}.log") for i in range(2)]
+    runs = [start_run(workdir, prefect_home=prefect_home, env=env, log_name=f"concurrent-{i}.log") for i in range(2)]
     codes = [r.wait(RUN_TIMEOUT) for r in runs]
     cell.completed += sum(c == 0 for c in codes)
     same, why = ref.same(workdir)
@@ -217,39 +230,53 @@ def main() -> None:
     parser.add_argument("--only", default="kill9,sigterm,disk,mlflow,prefect,concurrent")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the work folders")
+    parser.add_argument("--ephemeral", action="store_true",
+                        help="each run starts its own temporary Prefect API (slower) instead of sharing one server")
     args = parser.parse_args()
     only = set(args.only.split(","))
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="cpuforge-faults-"))
     prefect_home = root / "prefect-home"
     started = time.monotonic()
-    ref = Reference(root, prefect_home)
-    cells: list[Cell] = []
-    if "kill9" in only:
-        for stage in STAGES:
-            cell = Cell(f"kill -9 in {stage}")
-            for _ in range(args.repeats):
-                interrupt_inside(stage, signal.SIGKILL, cell, ref, root, prefect_home, rng)
+    # One Prefect API for every run, unless each run should start (and leave behind) its own
+    # temporary one: that case is tests/faults/test_interruptions.py's.
+    shared = None if args.ephemeral else Server("prefect", root / "prefect-api", prefect_home)
+    env = shared.env if shared else {}
+    try:
+        ref = Reference(root, prefect_home, env)
+        cells: list[Cell] = []
+        if "kill9" in only:
+            for stage in STAGES:
+                cell = Cell(f"kill -9 in {stage}")
+                for _ in range(args.repeats):
+                    interrupt_inside(stage, signal.SIGKILL, cell, ref, root, prefect_home, env, rng)
+                cells.append(cell)
+                print(cell.row(), flush=True)
+        if "sigterm" in only:
+            cell = Cell("SIGTERM")
+            for stage in rng.sample(STAGES, k=min(args.repeats, len(STAGES))):
+                interrupt_inside(stage, signal.SIGTERM, cell, ref, root, prefect_home, env, rng)
             cells.append(cell)
             print(cell.row(), flush=True)
-    if "sigterm" in only:
-        cell = Cell("SIGTERM")
-        for stage in rng.sample(STAGES, k=min(args.repeats, len(STAGES))):
-            interrupt_inside(stage, signal.SIGTERM, cell, ref, root, prefect_home, rng)
-        cells.append(cell)
-        print(cell.row(), flush=True)
-    for name, fn in (("disk", full_disk), ("concurrent", concurrent)):
-        if name in only:
-            cell = Cell({"disk": "full disk (12 MB tmpfs)", "concurrent": "two runs, one work folder"}[name])
-            fn(cell, ref, root, prefect_home)
+        for name, fn in (("disk", full_disk), ("concurrent", concurrent)):
+            if name in only:
+                cell = Cell({"disk": "full disk (12 MB tmpfs)", "concurrent": "two runs, one work folder"}[name])
+                fn(cell, ref, root, prefect_home, env)
+                cells.append(cell)
+                print(cell.row(), flush=True)
+        if "mlflow" in only:
+            cell = Cell("MLflow server stopped 20 s mid-run")
+            server_outage("mlflow", cell, ref, root, prefect_home, env)
             cells.append(cell)
             print(cell.row(), flush=True)
-    for kind in ("mlflow", "prefect"):
-        if kind in only:
-            cell = Cell(f"{'MLflow' if kind == 'mlflow' else 'Prefect'} server stopped 20 s mid-run")
-            server_outage(kind, cell, ref, root, prefect_home)
+        if "prefect" in only:
+            cell = Cell("Prefect server stopped 20 s mid-run")
+            server_outage("prefect", cell, ref, root, prefect_home, {})
             cells.append(cell)
             print(cell.row(), flush=True)
+    finally:
+        if shared:
+            shared.kill()
 
     print(f"\n{len(cells)} cells in {(time.monotonic() - started) / 60:.1f} min (work folders: {root})\n")
     print("| fault | runs | completed after rerun | identical results | processes left | MLflow runs left RUNNING | verdict | notes |")
