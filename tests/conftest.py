@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import sys
 import tempfile
 import traceback
@@ -90,3 +91,12 @@ def as_unprivileged(fn, *args) -> tuple[int, str]:
         _, status = os.waitpid(pid, 0)
         err.seek(0)
         return os.waitstatus_to_exitcode(status), err.read().decode("utf-8", "replace")
+
+
+@pytest.fixture
+def shared_tmp():
+    """A folder the unprivileged user of as_unprivileged can use (pytest's tmp_path is private to root)."""
+    folder = Path(tempfile.mkdtemp(prefix="cpuforge-shared-"))
+    folder.chmod(0o777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)

@@ -49,15 +49,6 @@ def cli_subprocess(argv: list[str | bytes]) -> str:
     return one_error(proc.returncode, proc.stderr.decode("utf-8", "replace"))
 
 
-@pytest.fixture
-def shared_tmp():
-    """A folder an unprivileged user can use (pytest's tmp_path is private to root)."""
-    folder = Path(tempfile.mkdtemp(prefix="cpuforge-badinput-"))
-    folder.chmod(0o777)
-    yield folder
-    subprocess.run(["rm", "-rf", str(folder)], check=False)
-
-
 # --- where the run writes ---------------------------------------------------------------------
 
 
