@@ -156,9 +156,6 @@ def terminal_safe(text: str) -> str:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    from tasks.registry import open_model
-    from tasks.scoring import score_text
-
     path = Path(args.text).expanduser()
     if not path.is_file():
         raise UserError(f"text file not found: {path}")
@@ -166,6 +163,11 @@ def _evaluate(args: argparse.Namespace) -> int:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise UserError(f"--text {path}: cannot read it ({exc.strerror})") from None
+    from tasks.registry import open_model
+    from tasks.scoring import score_text
+
     lm = open_model(args.model, _model_tracking_uri(args))
     score = score_text(lm, text)
     result = {"model": args.model, "format": lm.kind, "params": lm.params, "text": str(path), **score.as_dict()}

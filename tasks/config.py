@@ -301,7 +301,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config file {path} ({exc.strerror})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(data).__name__}")
     return data

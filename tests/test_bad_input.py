@@ -186,3 +186,19 @@ def test_generate_escapes_control_characters_on_a_terminal_only(control_model, m
 def test_invalid_settings_name_the_field(capsys, override, message):
     line = cli(capsys, "config", "--profile", "tiny", "--set", override)
     assert line.startswith("error: invalid configuration: ") and message in line
+
+
+def test_config_file_that_is_not_yaml_is_one_line(capsys, tmp_path):
+    (tmp_path / "c.yaml").write_text("train:\n  lr: [1\n")
+    line = cli(capsys, "config", "--config", str(tmp_path / "c.yaml"))
+    assert line.startswith(f"error: config file {tmp_path / 'c.yaml'} is not valid YAML: while parsing")
+
+
+def test_unreadable_config_and_text_files_for_an_unprivileged_user(shared_tmp):
+    for name in ("c.yaml", "t.txt"):
+        (shared_tmp / name).write_text("train: {}\n")
+        (shared_tmp / name).chmod(0o000)
+    code, err = as_unprivileged(main, ["config", "--config", str(shared_tmp / "c.yaml")])
+    assert one_error(code, err) == f"error: cannot read the config file {shared_tmp / 'c.yaml'} (Permission denied)"
+    code, err = as_unprivileged(main, ["evaluate", "--model", "unused", "--text", str(shared_tmp / "t.txt")])
+    assert one_error(code, err) == f"error: --text {shared_tmp / 't.txt'}: cannot read it (Permission denied)"
