@@ -134,6 +134,8 @@ def test_unreadable_files_are_skipped_for_an_unprivileged_user(shared_tmp):
     ("data.json", b'[{"text": "ok"},\n {"text": "no end"\n', "data.json cannot be read as json: "
                                                                "Expecting ',' delimiter at line 3, column 1"),
     ("data.parquet", b"PAR1 this is not parquet at all", "data.parquet cannot be read as parquet: "),
+    ("data.csv", b'id,text\n1,hello\n2,"unterminated\n', "data.csv cannot be read as csv: Error tokenizing data. "
+                                                         "C error: EOF inside string starting at row 2"),
 ])
 def test_structured_file_that_does_not_parse_is_one_error_naming_file_and_line(folder, tmp_path, name, content,
                                                                                 message):
