@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
+import re
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -108,28 +111,51 @@ def _model_tracking_uri(args: argparse.Namespace) -> str | None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from tasks.registry import open_model
-
     if args.max_new_tokens <= 0:
         raise UserError("--max-new-tokens must be positive")
+    if args.top_k < 0:
+        raise UserError(f"--top-k {args.top_k}: must be 0 (no top-k filtering) or a positive number of tokens")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise UserError(f"--temperature {args.temperature}: must be 0 (greedy) or a positive number")
+    _check_utf8("--prompt", args.prompt)
     from models.runtime import check_prompt
+    from tasks.registry import open_model
 
     lm = open_model(args.model, _model_tracking_uri(args))
     try:
         check_prompt(len(lm.encode(args.prompt)), lm.cfg.block_size)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    print(args.prompt, end="", flush=True)
-    for piece in lm.stream(args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed):
-        print(piece, end="", flush=True)
+    # On a terminal, a model's output must not be able to move the cursor, retitle the window or worse.
+    show = terminal_safe if sys.stdout.isatty() else str
+    print(show(args.prompt), end="", flush=True)
+    for piece in lm.stream(args.prompt, args.max_new_tokens, args.temperature, args.top_k or None, args.seed):
+        print(show(piece), end="", flush=True)
     print()
     return 0
 
 
-def _evaluate(args: argparse.Namespace) -> int:
-    from tasks.registry import open_model
-    from tasks.scoring import score_text
+def _check_utf8(flag: str, value: str) -> None:
+    """argv bytes that are not UTF-8 arrive as lone surrogates (PEP 383); the tokenizer would choke on them."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(value[exc.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"code point U+{code:04X}"
+        raise UserError(f"{flag} is not valid UTF-8 text ({what} at character {exc.start}): "
+                        "pass it as UTF-8") from None
 
+
+# C0 and C1 controls except \t and \n, DEL, and the bidirectional overrides that reorder what is shown.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def terminal_safe(text: str) -> str:
+    """Control characters shown as visible escapes (\\x1b, \\u202e), keeping newlines and tabs."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}" if ord(m[0]) < 0x100 else f"\\u{ord(m[0]):04x}", text)
+
+
+def _evaluate(args: argparse.Namespace) -> int:
     path = Path(args.text).expanduser()
     if not path.is_file():
         raise UserError(f"text file not found: {path}")
@@ -137,6 +163,11 @@ def _evaluate(args: argparse.Namespace) -> int:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise UserError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise UserError(f"--text {path}: cannot read it ({exc.strerror})") from None
+    from tasks.registry import open_model
+    from tasks.scoring import score_text
+
     lm = open_model(args.model, _model_tracking_uri(args))
     score = score_text(lm, text)
     result = {"model": args.model, "format": lm.kind, "params": lm.params, "text": str(path), **score.as_dict()}
@@ -157,20 +188,22 @@ def _show_config(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    workdir = _checked_outputs(args)
     cfg = _checked_config(args)
     _check_prune_target(cfg)
     from flows.pipeline import pipeline
 
     return _run_flow(pipeline, profile=cfg.profile, config_file=args.config or "", overrides=args.overrides,
-                     workdir=_workdir(args), summary_path=args.summary or "")
+                     workdir=workdir, summary_path=args.summary or "")
 
 
 def _compress(args: argparse.Namespace) -> int:
+    workdir = _checked_outputs(args)
     cfg = _checked_config(args)  # the prune target is checked once the model's shape is known
     from flows.compress import compress
 
     return _run_flow(compress, pretrained=args.pretrained, profile=cfg.profile, config_file=args.config or "",
-                     overrides=args.overrides, workdir=_workdir(args), summary_path=args.summary or "")
+                     overrides=args.overrides, workdir=workdir, summary_path=args.summary or "")
 
 
 def _checked_config(args: argparse.Namespace):
@@ -182,10 +215,42 @@ def _checked_config(args: argparse.Namespace):
     return cfg
 
 
-def _workdir(args: argparse.Namespace) -> str:
+def _checked_outputs(args: argparse.Namespace) -> str:
+    """Check where the run will write before any work: a bad path fails now, not after the training.
+    Returns the workdir, created and resolved."""
+    if not args.workdir.strip():
+        raise UserError("--workdir is empty: give the folder for the run's outputs")
     workdir = Path(args.workdir).expanduser().resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
+    if workdir.exists() and not workdir.is_dir():
+        raise UserError(f"--workdir {workdir} is a file, not a folder: give a folder (it is created if missing)")
+    _writable_folder(workdir, f"--workdir {workdir}")
+    if args.summary is not None:
+        if not args.summary.strip():
+            raise UserError("--summary is empty: give a file path such as summary.json, or leave it out")
+        summary = Path(args.summary).expanduser().resolve()
+        if summary.is_dir():
+            raise UserError(f"--summary {summary} is a folder: give a file path such as {summary / 'summary.json'}")
+        _writable_folder(summary.parent, f"--summary {summary}")
     return str(workdir)
+
+
+def _writable_folder(folder: Path, flag: str) -> None:
+    """Create `folder` if needed and prove it writable by writing into it (permissions, a read-only mount)."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists() or p.is_symlink())
+    if not existing.is_dir():
+        raise UserError(f"{flag}: {existing} is a file, not a folder; choose a place you can write to")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"{flag}: cannot create the folder {folder} ({exc.strerror}); "
+                        "choose a place you can write to") from None
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".cpuforge-write-check-")
+    except OSError as exc:
+        raise UserError(f"{flag}: cannot write into {folder} ({exc.strerror}); "
+                        "choose a place you can write to") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 _reaper = None

@@ -144,12 +144,13 @@ def check_prompt(n_tokens: int, block_size: int) -> None:
 
 def choose_token(logits: torch.Tensor, temperature: float, top_k: int | None,
                  generator: torch.Generator | None) -> int:
-    """Greedy at temperature 0, else sampling from the top-k tokens at that temperature."""
+    """Greedy at temperature 0, else sampling from the top-k tokens at that temperature.
+    top_k None or 0 samples from every token (0 means "off", as in transformers and llama.cpp)."""
     logits = logits.float()
     if temperature <= 0:
         return int(logits.argmax())
     logits = logits / temperature
-    if top_k is not None and top_k < logits.numel():
+    if top_k and top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))

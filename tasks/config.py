@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tasks.errors import ConfigError
 
@@ -23,20 +23,32 @@ DEFAULT_PROFILE = "demo"
 BYTE_ALPHABET = 256
 
 
+def _not_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must not be empty")
+    return value
+
+
+# An empty name or path is never meant: '' as a path is the current folder, '' as a name fails in MLflow.
+NonBlank = Annotated[str, AfterValidator(_not_blank)]
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and nan pass every bound check (nan compares false, inf is "greater than 0") but no setting means them.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class DataConfig(Section):
-    source: str = Field(
+    source: NonBlank = Field(
         "stdlib",
         description="'stdlib' (the running interpreter's standard library source, no download), "
         "a file, folder or glob of .txt/.md/.py/.jsonl/.json/.csv/.parquet, "
         "or 'hf:<dataset id>' for a Hugging Face hub dataset (needs network).",
     )
-    text_field: str = Field("text", description="Column holding the text in structured files and hub datasets.")
-    hf_subset: str | None = Field(None, description="Hub dataset configuration (subset) name.")
-    hf_split: str = Field("train", description="Hub dataset split to read.")
+    text_field: NonBlank = Field("text", description="Column holding the text in structured files and hub datasets.")
+    hf_subset: NonBlank | None = Field(None, description="Hub dataset configuration (subset) name.")
+    hf_split: NonBlank = Field("train", description="Hub dataset split to read.")
     max_docs: int | None = Field(None, gt=0, description="Read at most this many documents (files or records).")
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="Share of documents held out for validation.")
     split_seed: int = Field(0, description="Seed of the hash-based train/val assignment.")
@@ -52,7 +64,7 @@ class DataConfig(Section):
         "Prefect task per piece), 'dask' (a Dask cluster through prefect-dask) or 'single' (this process). The "
         "shards are the same byte for byte either way.",
     )
-    dask_address: str | None = Field(
+    dask_address: NonBlank | None = Field(
         None, description="Dask scheduler address (tcp://host:8786) to encode on; implies encode_runner=dask. "
         "With encode_runner=dask and no address, a local cluster is started for the stage.")
     encode_workers: int = Field(0, ge=0, description="Processes of the local pool or cluster (0 = the cores available).")
@@ -62,8 +74,8 @@ class DataConfig(Section):
 
 class TokenizerConfig(Section):
     vocab_size: int = Field(4096, description="Vocabulary size of the byte-level BPE trained on the train split.")
-    path: str | None = Field(None, description="Use this existing tokenizer.json instead of training one.")
-    eod_token: str = Field("<|endoftext|>", description="Token placed between documents.")
+    path: NonBlank | None = Field(None, description="Use this existing tokenizer.json instead of training one.")
+    eod_token: NonBlank = Field("<|endoftext|>", description="Token placed between documents.")
     min_frequency: int = Field(2, ge=1, description="A merge must occur this often to be learned.")
     train_max_bytes: int = Field(
         64 * 2**20, gt=0, description="Train the tokenizer on at most this many bytes of the train split."
@@ -113,7 +125,7 @@ class TrainConfig(Section):
     min_lr: float = Field(2e-4, ge=0, description="Learning rate at the end of cosine decay.")
     warmup_steps: int = Field(30, ge=0, description="Linear warm-up steps.")
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay on matrices.")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 = off).")
     max_tokens: int | None = Field(None, gt=0, description="Stop after this many training tokens.")
     max_steps: int | None = Field(None, gt=0, description="Stop after this many optimizer steps.")
@@ -135,8 +147,8 @@ class TrainConfig(Section):
         "(parameters, gradients and optimizer state sharded across them, for models whose training state does "
         "not fit one machine). Checkpoints load under either.")
     nnodes: int = Field(1, gt=0, description="Machines taking part (torchrun).")
-    rdzv_endpoint: str = Field("127.0.0.1:29500", description="torchrun rendezvous host:port.")
-    init_from: str | None = Field(
+    rdzv_endpoint: NonBlank = Field("127.0.0.1:29500", description="torchrun rendezvous host:port.")
+    init_from: NonBlank | None = Field(
         None,
         description="Continue from these pretrained weights instead of starting from scratch: 'champion' (the "
         "weights behind the registered champion; from scratch while there is none), a model folder, or "
@@ -209,7 +221,8 @@ class EvalConfig(Section):
     max_tokens: int = Field(65_536, gt=0, description="Val tokens every variant is scored on.")
     batch_sizes: list[int] = Field([1, 8], min_length=1, description="Batch sizes for prefill speed (full context).")
     decode_tokens: int = Field(64, gt=0, description="Tokens generated to time decoding.")
-    prompts: list[str] = Field(["def ", "import ", "class "], description="Fixed prompts for samples.")
+    prompts: list[Annotated[str, Field(min_length=1)]] = Field(
+        ["def ", "import ", "class "], description="Fixed prompts for samples.")
     max_new_tokens: int = Field(80, gt=0, description="Length of each sample.")
 
 
@@ -221,11 +234,11 @@ class EvalConfig(Section):
 
 
 class TrackingConfig(Section):
-    uri: str | None = Field(
+    uri: NonBlank | None = Field(
         None, description="MLflow tracking URI; default $MLFLOW_TRACKING_URI, else sqlite:///<workdir>/mlflow.db."
     )
-    experiment: str = Field("cpuforge", description="MLflow experiment (one per project).")
-    registered_model: str = Field("cpuforge-lm", description="Name in the MLflow model registry.")
+    experiment: NonBlank = Field("cpuforge", description="MLflow experiment (one per project).")
+    registered_model: NonBlank = Field("cpuforge-lm", description="Name in the MLflow model registry.")
     system_metrics: bool = Field(True, description="Log CPU/memory system metrics for each stage.")
 
 
@@ -288,7 +301,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config file {path} ({exc.strerror})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(data).__name__}")
     return data
@@ -333,7 +348,7 @@ def _unknown(kind: str, name: str, allowed: Any, section: str | None = None) -> 
 def _describe(exc: ValidationError) -> str:
     problems = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"])
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
         message = err["msg"].removeprefix("Value error, ")
         got = err.get("input")
         shown = f" (got {got!r})" if where and not isinstance(got, dict) else ""

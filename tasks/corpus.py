@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import stat
 import sys
 import sysconfig
 from dataclasses import dataclass, field
@@ -78,24 +79,30 @@ def list_source_files(data: DataConfig) -> tuple[list[Path], list[str]]:
         return files, []
 
     source = os.path.expanduser(data.source)
+    skipped: list[str] = []
     if glob.has_magic(source):
-        candidates = sorted(Path(p) for p in glob.glob(source, recursive=True) if Path(p).is_file())
-        if not candidates:
+        candidates = _regular_files((Path(p) for p in glob.glob(source, recursive=True)), skipped)
+        if not candidates and not skipped:
             raise DataError(f"data.source: the pattern {data.source!r} matches no files")
     elif Path(source).is_dir():
-        candidates = sorted(
-            p for p in Path(source).rglob("*")
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(source).parts)
-        )
+        try:
+            entries = [p for p in Path(source).rglob("*")
+                       if not any(part.startswith(".") for part in p.relative_to(source).parts)]
+        except OSError as exc:
+            raise DataError(f"data.source: cannot list the folder {data.source!r} ({exc.strerror})") from None
+        candidates = _regular_files(entries, skipped)
     elif Path(source).is_file():
         candidates = [Path(source)]
+    elif os.path.lexists(source):
+        raise DataError(f"data.source: {data.source!r} is {_not_regular(Path(source))}; "
+                        "name a regular file, a folder or a glob")
     else:
         raise DataError(
             f"data.source: no such file or folder: {data.source!r} "
             f"(use a path, a glob, 'stdlib', or '{HUB_PREFIX}<dataset id>')"
         )
 
-    files, skipped = [], []
+    files = []
     for path in candidates:
         if path.suffix.lower() in SUPPORTED_SUFFIXES:
             files.append(path.resolve())
@@ -109,6 +116,30 @@ def list_source_files(data: DataConfig) -> tuple[list[Path], list[str]]:
     if data.max_docs is not None and all(p.suffix.lower() in TEXT_SUFFIXES for p in files):
         files = files[: data.max_docs]
     return files, skipped
+
+
+def _regular_files(paths: Any, skipped: list[str]) -> list[Path]:
+    """Regular files (or links to one) in a fixed order; FIFOs, devices, sockets and dangling or looping
+    links are recorded in `skipped`: reading a FIFO would block forever."""
+    files = []
+    for path in sorted(paths):
+        if path.is_dir():
+            continue
+        if path.is_file():
+            files.append(path)
+        else:
+            skipped.append(f"{path}: {_not_regular(path)}")
+    return files
+
+
+def _not_regular(path: Path) -> str:
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:  # a dangling symlink (ENOENT) or a loop (ELOOP)
+        return f"a symlink that leads nowhere ({exc.strerror})"
+    kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file")
+    return f"not a regular file ({kind})"
 
 
 def source_fingerprint(data: DataConfig) -> str:
@@ -127,7 +158,11 @@ def source_fingerprint(data: DataConfig) -> str:
     if kind == "stdlib":
         h.update(sys.version.encode())
     for path in files:
-        st = path.stat()
+        try:
+            st = path.stat()
+        except OSError:  # gone since it was listed: reading it reports the skip
+            h.update(f"{path}\0gone\n".encode())
+            continue
         h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()
 
@@ -139,6 +174,9 @@ def load_corpus(data: DataConfig, cache_dir: Path) -> Corpus:
         return _load_hub(data, cache_dir)
 
     files, skipped = list_source_files(data)
+    for reason in skipped:
+        if "unsupported file type" not in reason:  # other file types are expected in a folder: meta.json lists them
+            log.warning("skipping %s", reason)
     docs: list[str] = []
     replaced = 0
     for path in files:
@@ -171,17 +209,12 @@ def load_corpus(data: DataConfig, cache_dir: Path) -> Corpus:
 
 def read_text_file(path: Path) -> tuple[str, int, str | None]:
     """(text, invalid sequences replaced, reason to skip or None)."""
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        return "", 0, f"unreadable ({exc.strerror})"
-    head = raw[:BINARY_SNIFF_BYTES]
-    if b"\x00" in head:
-        return "", 0, "binary (contains NUL bytes)"
-    head_text = head.decode("utf-8", errors="replace")
-    invalid_in_head = head_text.count(REPLACEMENT) - head.count(REPLACEMENT_UTF8)
-    if head and invalid_in_head / len(head) > BINARY_INVALID_SHARE:
-        return "", 0, "binary (mostly not UTF-8)"
+    raw, why_not = _read_regular(path)
+    if why_not:
+        return "", 0, why_not
+    why_not = _binary_reason(raw[:BINARY_SNIFF_BYTES])
+    if why_not:
+        return "", 0, why_not
     try:
         return raw.decode("utf-8"), 0, None
     except UnicodeDecodeError:
@@ -189,18 +222,108 @@ def read_text_file(path: Path) -> tuple[str, int, str | None]:
         return text, text.count(REPLACEMENT) - raw.count(REPLACEMENT_UTF8), None
 
 
+def _read_regular(path: Path, limit: int = -1) -> tuple[bytes, str | None]:
+    """The file's bytes (at most `limit`), or why it cannot be read. Opened without blocking and checked
+    after opening: a file swapped for a FIFO after it was listed would otherwise hang the read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        return b"", ("vanished before it could be read" if isinstance(exc, FileNotFoundError)
+                     else f"unreadable ({exc.strerror})")
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return b"", _not_regular(path)
+        try:
+            return f.read(limit), None
+        except OSError as exc:
+            return b"", f"unreadable ({exc.strerror})"
+
+
+def _binary_reason(head: bytes) -> str | None:
+    if b"\x00" in head:
+        return "binary (contains NUL bytes)"
+    head_text = head.decode("utf-8", errors="replace")
+    invalid_in_head = head_text.count(REPLACEMENT) - head.count(REPLACEMENT_UTF8)
+    if head and invalid_in_head / len(head) > BINARY_INVALID_SHARE:
+        return "binary (mostly not UTF-8)"
+    return None
+
+
 def _load_structured(path: Path, data: DataConfig, cache_dir: Path, skipped: list[str]) -> list[str]:
+    """Records of a structured file. One that cannot be read is skipped like a text file; one that
+    does not parse is an error naming the file (and for JSON the lines), since part of the data is broken."""
+    if path.suffix.lower() == ".jsonl":
+        return _load_jsonl(path, data, skipped)
+    raw_head, why_not = _read_regular(path, limit=BINARY_SNIFF_BYTES)
+    if why_not is None and path.suffix.lower() != ".parquet":
+        why_not = _binary_reason(raw_head)
+    if why_not:
+        skipped.append(f"{path}: {why_not}")
+        log.warning("skipping %s: %s", path, why_not)
+        return []
     import datasets  # heavy; only when structured files are used
 
     builder = STRUCTURED_BUILDERS[path.suffix.lower()]
     try:
         ds = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=str(cache_dir))
     except Exception as exc:  # datasets raises many types for a malformed file
-        reason = f"cannot be read as {builder}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        skipped.append(f"{path}: {reason}")
-        log.warning("skipping %s: %s", path, reason)
-        return []
+        raise DataError(f"{path} cannot be read as {path.suffix.lower()[1:]}: {_parse_problem(path, exc)}; "
+                        "fix the file or remove it from data.source") from None
     return _text_column(ds, data, where=str(path))
+
+
+def _parse_problem(path: Path, exc: BaseException) -> str:
+    """One line: where a JSON file breaks (line and column), else the innermost cause's first line."""
+    if path.suffix.lower() == ".json":
+        try:
+            json.loads(path.read_bytes())
+        except json.JSONDecodeError as err:
+            return f"{err.msg} at line {err.lineno}, column {err.colno}"
+        except (OSError, ValueError):
+            pass
+    while exc.__cause__ is not None or (exc.__context__ is not None and not exc.__suppress_context__):
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _load_jsonl(path: Path, data: DataConfig, skipped: list[str]) -> list[str]:
+    """JSON Lines read here, line by line, so a broken record is reported by its line number."""
+    raw, why_not = _read_regular(path)
+    if why_not is None:
+        why_not = _binary_reason(raw[:BINARY_SNIFF_BYTES])
+    if why_not:
+        skipped.append(f"{path}: {why_not}")
+        log.warning("skipping %s: %s", path, why_not)
+        return []
+    docs: list[str] = []
+    broken: list[int] = []
+    fields: dict[str, None] = {}  # every field seen, in order of appearance
+    for number, line in enumerate(raw.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)  # bytes: invalid UTF-8 is a ValueError too
+        except ValueError:
+            broken.append(number)
+            continue
+        if not isinstance(record, dict):
+            broken.append(number)
+            continue
+        fields.update(dict.fromkeys(record))
+        value = record.get(data.text_field)
+        if isinstance(value, str) and value.strip():
+            docs.append(value)
+    if broken:
+        shown = ", ".join(map(str, broken[:10])) + (f" and {len(broken) - 10} more" if len(broken) > 10 else "")
+        what = (f"lines {shown} are not valid JSON objects" if len(broken) > 1
+                else f"line {shown} is not a valid JSON object")
+        raise DataError(f"{path}: {what}; fix or remove them (each line must hold one JSON object)")
+    if fields and data.text_field not in fields:
+        raise DataError(
+            f"{path} has no field {data.text_field!r}; its fields are: {', '.join(fields)}; set data.text_field"
+        )
+    return docs
 
 
 def _load_hub(data: DataConfig, cache_dir: Path) -> Corpus:

@@ -3,6 +3,7 @@ extend it, never rename what exists)."""
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 from tasks.config import Config
 from models.fileio import atomic_write_json, atomic_write_text
 from tasks.store import StageRecord
+
+log = logging.getLogger("cpuforge.summary")
 
 
 def new_summary(run_id: str, cfg: Config, workdir: Path) -> dict[str, Any]:
@@ -51,7 +54,12 @@ def write_summary(summary: dict[str, Any], cfg: Config, extra_path: str | None) 
     atomic_write_text(folder / "config.yaml", cfg.to_yaml())
     atomic_write_json(folder / "summary.json", summary)
     if extra_path:
-        atomic_write_json(Path(extra_path).expanduser().resolve(), summary)
+        copy = Path(extra_path).expanduser().resolve()
+        try:
+            atomic_write_json(copy, summary)
+        except OSError as exc:  # the run's own summary is written: a missing copy must not fail a finished run
+            log.warning("could not write the summary copy to %s (%s); the summary is in %s",
+                        copy, exc.strerror or exc, folder / "summary.json")
     return folder / "summary.json"
 
 

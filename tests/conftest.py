@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+import sys
 import tempfile
+import traceback
 from pathlib import Path
 
 import pytest
@@ -63,3 +66,39 @@ def prefect_server():
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+NOBODY = 65534
+
+
+def as_unprivileged(fn, *args) -> tuple[int, str]:
+    """Run fn(*args) -> int in a forked child that has dropped root for 'nobody', so file permissions
+    apply (root reads and writes anything). Returns (its return value, what it wrote to stderr).
+    A fork, not a new interpreter: the interpreter lives under /root, which nobody cannot enter."""
+    with tempfile.TemporaryFile() as err:
+        pid = os.fork()
+        if pid == 0:  # the child never returns into pytest
+            code = 99
+            try:
+                os.dup2(err.fileno(), 2)
+                sys.stderr = open(2, "w", closefd=False)
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                code = fn(*args)
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        err.seek(0)
+        return os.waitstatus_to_exitcode(status), err.read().decode("utf-8", "replace")
+
+
+@pytest.fixture
+def shared_tmp():
+    """A folder the unprivileged user of as_unprivileged can use (pytest's tmp_path is private to root)."""
+    folder = Path(tempfile.mkdtemp(prefix="cpuforge-shared-"))
+    folder.chmod(0o777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
