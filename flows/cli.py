@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import math
@@ -269,6 +270,11 @@ def _run_flow(flow_fn, **params: Any) -> int:
     except UserError:
         raise
     except Exception as exc:
+        if _disk_full(exc):
+            where = params.get("workdir", "")
+            print(f"error: the disk is full (writing {exc.filename or where}): free some space or choose a --workdir "
+                  "on a larger disk, then run again; finished stages are kept and will be reused", file=sys.stderr)
+            return 1
         print(f"error: the pipeline failed: {type(exc).__name__}: {exc} (details in the log above)", file=sys.stderr)
         return 1
     _print_summary(summary)
@@ -319,11 +325,15 @@ def _fmt(value: Any) -> str:
     return json.dumps(value) if not isinstance(value, str) else value
 
 
+def _disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
 class _DropUserErrorTraceback(logging.Filter):
-    """A user error is reported in one line; Prefect would otherwise log its full traceback."""
+    """A user error (or a full disk) is reported in one line; Prefect would otherwise log its full traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], UserError):
+        if record.exc_info and (isinstance(record.exc_info[1], UserError) or _disk_full(record.exc_info[1])):
             record.exc_info = None
             record.exc_text = None
         return True
