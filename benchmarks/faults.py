@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.faults.harness import (  # noqa: E402
-    STAGES, building, finished, kill_all, latest_summary, leftovers_after, mlflow_runs, stage_keys,
+    STAGES, building, finished, kill_all, latest_summary, leftovers_after, leftovers_of_any_run, mlflow_runs, stage_keys,
     start_run, stop, wait_until, weights_digest,
 )
 
@@ -233,6 +233,7 @@ def main() -> None:
     parser.add_argument("--ephemeral", action="store_true",
                         help="each run starts its own temporary Prefect API (slower) instead of sharing one server")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-ups below when stopped
     only = set(args.only.split(","))
     rng = random.Random(args.seed)
     root = Path(tempfile.mkdtemp(prefix="cpuforge-faults-"))
@@ -277,6 +278,7 @@ def main() -> None:
     finally:
         if shared:
             shared.kill()
+        kill_all(leftovers_of_any_run())
 
     print(f"\n{len(cells)} cells in {(time.monotonic() - started) / 60:.1f} min (work folders: {root})\n")
     print("| fault | runs | completed after rerun | identical results | processes left | MLflow runs left RUNNING | verdict | notes |")

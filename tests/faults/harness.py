@@ -97,6 +97,18 @@ def leftovers(marker: str) -> list[psutil.Process]:
     return found
 
 
+def leftovers_of_any_run() -> list[psutil.Process]:
+    """Every live process that some harness run started (a stopped benchmark cleans up with this)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if MARKER in proc.environ() and proc.pid != os.getpid():
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
 def leftovers_after(marker: str, grace_s: float = 20.0) -> list[psutil.Process]:
     """What is still alive once the watcher has had time to stop it."""
     deadline = time.monotonic() + grace_s
