@@ -28,6 +28,9 @@ DETERMINISTIC = ["train.max_minutes=null", "train.max_steps=240", "train.checkpo
                  "recover.max_minutes=null", "recover.max_steps=80"]
 
 
+STARTED: set[str] = set()  # the markers of the runs this process started
+
+
 @dataclass
 class Attempt:
     proc: subprocess.Popen
@@ -46,6 +49,7 @@ def start_run(workdir: Path, overrides: list[str] = (), prefect_home: Path | Non
               env: dict[str, str] | None = None, log_name: str | None = None) -> Attempt:
     """`cpuforge run --profile tiny` in a process of its own, marked so its descendants can be found."""
     marker = uuid.uuid4().hex
+    STARTED.add(marker)
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir.parent / (log_name or f"{workdir.name}-{marker[:8]}.log")
     run_env = {**os.environ, **(env or {}), MARKER: marker}
@@ -98,11 +102,11 @@ def leftovers(marker: str) -> list[psutil.Process]:
 
 
 def leftovers_of_any_run() -> list[psutil.Process]:
-    """Every live process that some harness run started (a stopped benchmark cleans up with this)."""
+    """Every live process that a run started by this process started (a stopped benchmark cleans up with this)."""
     found = []
     for proc in psutil.process_iter():
         try:
-            if MARKER in proc.environ() and proc.pid != os.getpid():
+            if proc.environ().get(MARKER) in STARTED:
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
