@@ -23,9 +23,11 @@ ROOT = Path(__file__).resolve().parents[2]
 MARKER = "CPUFORGE_FAULT_MARKER"
 STAGES = ("tokenize", "pretrain", "prune", "recover", "export", "quantize", "evaluate")
 # The tiny profile with step budgets instead of wall-clock ones, so an interrupted and an
-# uninterrupted run must produce the same weights bit for bit; long enough to be hit mid-stage.
+# uninterrupted run must produce the same weights bit for bit; training long enough to be hit
+# mid-stage; scoring and timing kept short (they decide nothing here).
 DETERMINISTIC = ["train.max_minutes=null", "train.max_steps=240", "train.checkpoint_every_steps=40",
-                 "recover.max_minutes=null", "recover.max_steps=80"]
+                 "recover.max_minutes=null", "recover.max_steps=80", "eval.max_tokens=2048", "eval.batch_sizes=[1]",
+                 "eval.decode_tokens=8", "quantize.score_tokens=2048"]
 
 
 STARTED: set[str] = set()  # the markers of the runs this process started
