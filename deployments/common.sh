@@ -45,7 +45,7 @@ ensure_credentials() {  # the first start makes random credentials that only thi
       umask 077
       python3 -c 'import secrets; t = lambda: secrets.token_urlsafe(24)
 print(f"PREFECT_API_AUTH_STRING=cpuforge:{t()}\nMLFLOW_TRACKING_USERNAME=admin\nMLFLOW_TRACKING_PASSWORD={t()}")
-print(f"MLFLOW_FLASK_SERVER_SECRET_KEY={t()}")' >"$CPUFORGE_CREDENTIALS.$$"
+print(f"MLFLOW_FLASK_SERVER_SECRET_KEY={t()}\nCPUFORGE_DB_PASSWORD={t()}")' >"$CPUFORGE_CREDENTIALS.$$"
       mv -n "$CPUFORGE_CREDENTIALS.$$" "$CPUFORGE_CREDENTIALS"  # a concurrent first start keeps its own
       rm -f "$CPUFORGE_CREDENTIALS.$$"
     )
