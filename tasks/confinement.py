@@ -60,9 +60,11 @@ def check_config(cfg: Config) -> None:
     """Every setting of a resolved config that names a local path or a Dask scheduler."""
     source = cfg.data.source
     if source != "stdlib" and not source.startswith(HUB_PREFIX):
-        # A glob's files all lie under the part before its first wildcard.
-        fixed = source[:min((source.find(c) for c in "*?[" if c in source), default=len(source))]
-        confined("data.source", fixed if glob.has_magic(source) else source)
+        if glob.has_magic(source):  # its files lie under the part before the first wildcard, unless `..` follows
+            if ".." in Path(source).parts:
+                raise ConfigError(f"data.source={source}: a pattern with '..' can leave the folders this worker allows")
+            source = source[:min(source.find(c) for c in "*?[" if c in source)]
+        confined("data.source", source)
     if cfg.tokenizer.path:
         confined("tokenizer.path", cfg.tokenizer.path)
     init_from = cfg.train.init_from

@@ -40,7 +40,7 @@ def test_paths_inside_the_allowed_roots_pass(roots):
 
 
 @pytest.mark.parametrize("setting", ["data_source", "init_from", "tokenizer.path", "tracking.uri", "data.source",
-                                     "glob"])
+                                     "glob", "glob-dotdot"])
 def test_a_setting_naming_a_path_outside_is_refused(roots, setting):
     inside, outside = roots
     form, overrides = {}, []
@@ -48,11 +48,13 @@ def test_a_setting_naming_a_path_outside_is_refused(roots, setting):
         form[setting] = str(outside)
     elif setting == "glob":
         form["data_source"] = f"{outside}/**/*.txt"
+    elif setting == "glob-dotdot":  # the part before the wildcard is inside; the `..` after it leads out
+        form["data_source"] = f"{inside}/*/../../elsewhere/*.txt"
     elif setting == "tracking.uri":
         overrides.append(f"tracking.uri=sqlite:///{outside}/mlflow.db")
     else:  # the free-form overrides are checked like the form's fields
         overrides.append(f"{setting}={outside}/x")
-    with pytest.raises(ConfigError, match="outside the folders this worker allows"):
+    with pytest.raises(ConfigError, match="(outside|leave) the folders this worker allows"):
         flow_config("tiny", None, overrides, **form)
 
 
