@@ -102,4 +102,5 @@ def test_an_unconfined_process_takes_any_path_and_scheduler(tmp_path, monkeypatc
     monkeypatch.delenv(confinement.DASK_ALLOWED_ENV, raising=False)
     flow_config("tiny", None, ["data.dask_address=tcp://10.0.0.5:8786", "tokenizer.path=/etc/tok.json"],
                 data_source="/etc")
+    flow_config("tiny", None, [], data_source="../corpus/*/../*.txt")
     confinement.check_run_paths("/tmp/anywhere", "/tmp/summary.json")
