@@ -28,9 +28,12 @@ if auth_on; then
 default_permission = READ
 database_uri = ${MLFLOW_AUTH_DATABASE_URI:-sqlite:///$CPUFORGE_STATE/mlflow/basic_auth.db}
 admin_username = $MLFLOW_TRACKING_USERNAME
+auth_cache_ttl_seconds = ${MLFLOW_AUTH_CACHE_SECONDS:-300}
 EOF
   )
-  # Read when the user database is created, then ignored: the password lives in the database.
+  # The cache: checking a password (scrypt) took ~0.3 s of CPU here, and a run makes hundreds of
+  # requests. With one worker, a password changed through MLflow takes effect at once anyway.
+  # The admin password is read when the user database is created, then ignored: it lives there.
   export MLFLOW_AUTH_ADMIN_PASSWORD="$MLFLOW_TRACKING_PASSWORD"
   MLFLOW_FLASK_SERVER_SECRET_KEY="${MLFLOW_FLASK_SERVER_SECRET_KEY:-$(credential MLFLOW_FLASK_SERVER_SECRET_KEY)}"
   export MLFLOW_FLASK_SERVER_SECRET_KEY="${MLFLOW_FLASK_SERVER_SECRET_KEY:?no MLFLOW_FLASK_SERVER_SECRET_KEY in $CPUFORGE_CREDENTIALS}"
