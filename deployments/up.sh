@@ -5,6 +5,8 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 source "$here/common.sh"
+refuse_open_without_auth
+ensure_credentials  # before the servers start, so both read the same new file
 logs="$CPUFORGE_STATE/logs" pids="$CPUFORGE_STATE/pids"
 mkdir -p "$logs" "$pids"
 
@@ -49,5 +51,9 @@ start worker worker.sh
 
 echo
 echo "Prefect UI: ${PREFECT_API_URL%/api}    MLflow UI: $MLFLOW_TRACKING_URI"
+if auth_on; then
+  echo "Log in:     user and password in $CPUFORGE_CREDENTIALS (Prefect: the PREFECT_API_AUTH_STRING value)"
+  echo "This shell: source deployments/env.sh    (prefect, mlflow and cpuforge then use the stack and its credentials)"
+fi
 echo "Run one:    prefect deployment run cpuforge-pipeline/tiny    (or Deployments -> tiny -> Run in the UI)"
 echo "Stop all:   bash deployments/down.sh"

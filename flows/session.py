@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from prefect.runtime import flow_run
 
-from tasks import tracking
+from tasks import confinement, tracking
 from tasks.config import Config, load_config
 from tasks.lineage import PretrainedSource, with_source
 from tasks.stage import StageContext
@@ -48,8 +48,12 @@ def form_overrides(**form: Any) -> list[str]:
 
 
 def flow_config(profile: str, config_file: str | None, overrides: Sequence[str] | None, **form: Any) -> Config:
-    """The validated config of a flow run: profile, config file, the form's fields, then the overrides."""
-    return load_config(profile, config_file or None, [*form_overrides(**form), *(overrides or ())])
+    """The validated config of a flow run: profile, config file, the form's fields, then the overrides.
+    On a confined worker every path it names must lie in the allowed folders (tasks/confinement.py)."""
+    confinement.check_config_file(config_file)
+    cfg = load_config(profile, config_file or None, [*form_overrides(**form), *(overrides or ())])
+    confinement.check_config(cfg)
+    return cfg
 
 
 FindPretrained = Callable[[Config, Path], "PretrainedSource | None"]
@@ -64,6 +68,7 @@ def flow_session(
     run, and write the summary however the run ends. Yields (summary, stage context, pretrained source)."""
     if logging.getLogger("cpuforge").level == logging.NOTSET:  # a worker's run: stage logs reach the UI
         logging.getLogger("cpuforge").setLevel(logging.INFO)
+    confinement.check_run_paths(workdir, summary_path)  # before anything is written there
     root = Path(workdir).expanduser().resolve()
     run_id = flow_run.get_id() or str(uuid.uuid4())
     summary = new_summary(run_id, cfg, root)

@@ -23,7 +23,7 @@ from prefect.cache_policies import NO_CACHE
 
 from models.checkpoint import CheckpointError, read_config
 from models.fileio import sha256_file
-from tasks import tracking
+from tasks import confinement, tracking
 from tasks.config import Config, ModelConfig
 from tasks.corpus import source_fingerprint
 from tasks.errors import ConfigError, ModelError
@@ -110,7 +110,7 @@ def resolve_source(spec: str, cfg: Config, workdir: Path) -> PretrainedSource:
         if path.strip("/") not in ("", "model"):
             raise ConfigError(f"{spec}: expected runs:/RUN_ID/model (a pretrain stage run's model artifact)")
         return _from_run(run_id, workdir, spec)
-    return _from_folder(Path(spec).expanduser(), spec)
+    return _from_folder(confinement.confined("pretrained model folder", spec), spec)
 
 
 def champion_version(cfg: Config):

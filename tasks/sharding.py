@@ -24,13 +24,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from models.checkpoint import checkpoint_tmp_dir, finish_checkpoint
+from models.checkpoint import CheckpointError, checkpoint_tmp_dir, finish_checkpoint
 from models.llama import Llama
+from tasks.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 SHARDS = "shards"  # the torch.distributed.checkpoint folder inside a sharded checkpoint
@@ -112,12 +114,17 @@ def save_sharded_checkpoint(root: Path, step: int, model: Llama, optimizer: torc
 
 
 def load_sharded_checkpoint(model: Llama, optimizer: torch.optim.Optimizer, folder: Path) -> None:
-    """Load a sharded checkpoint into this run's model and optimizer, whatever their layout."""
+    """Load a sharded checkpoint into this run's model and optimizer, whatever their layout. `folder`
+    has passed verify_checkpoint (latest_valid_checkpoint); nothing in it is unpickled as code."""
     _create_optimizer_state(model, optimizer)  # the template torch.distributed.checkpoint fills in
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
     with warnings.catch_warnings():  # one process reading every shard is what we mean here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(folder / SHARDS))
+        try:
+            dcp.load(state, storage_reader=SafeFileSystemReader(folder / SHARDS), planner=SafeLoadPlanner())
+        except CheckpointException as exc:  # a BaseException wrapping each rank's failure
+            causes = [failure[0] if isinstance(failure, tuple) else failure for failure in exc.failures.values()]
+            raise CheckpointError(f"{folder}: cannot load its shards: {causes[0] if causes else exc}") from None
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
 

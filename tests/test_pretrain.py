@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -152,6 +153,89 @@ def test_fsdp_on_two_processes_and_its_checkpoints_resume_under_any_strategy(sha
     assert again["resumed_from"] == 12 and again["steps"] == 18
     losses = [json.loads(line)["loss"] for line in (tmp_path / "one-then-fsdp" / "history.jsonl").read_text().splitlines()]
     assert len(losses) == 18 and losses[-1] < losses[0] - 0.3  # the history carried across strategies
+
+
+class _RunsCode:
+    """What an attacker would pickle: unpickling it creates a file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _sharded_checkpoint(root: Path, poisoned_lr: Path | None = None) -> tuple[Path, Llama]:
+    """A sharded checkpoint (torch.distributed.checkpoint + manifest) as an FSDP run writes it, from one
+    process; with `poisoned_lr`, the optimizer's learning rate is saved as an object that runs code."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from models.checkpoint import checkpoint_tmp_dir, finish_checkpoint
+    from tasks.sharding import SHARDS, _create_optimizer_state
+
+    model = Llama(LlamaConfig(vocab_size=64, n_layer=1, n_head=2, n_kv_head=1, d_model=16, d_mlp=32, block_size=8))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _create_optimizer_state(model, optimizer)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    if poisoned_lr:
+        state["optim"]["param_groups"][0]["lr"] = _RunsCode(poisoned_lr)
+    tmp = checkpoint_tmp_dir(root, 1)
+    tmp.mkdir(parents=True)
+    dcp.save(state, checkpoint_id=str(tmp / SHARDS), no_dist=True)
+    return finish_checkpoint(root, 1, tmp, model.cfg, {"step": 1}), model
+
+
+def test_fsdp_sharded_checkpoint_is_manifest_verified_and_loads_without_unpickling_code(tmp_path):
+    from models.checkpoint import CheckpointError, latest_valid_checkpoint, verify_checkpoint
+    from tasks.sharding import SHARDS, load_sharded_checkpoint
+
+    def fresh():
+        model = Llama(saved.cfg)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    folder, saved = _sharded_checkpoint(tmp_path / "ok")
+    model, optimizer = fresh()
+    load_sharded_checkpoint(model, optimizer, folder)  # a clean checkpoint loads, param_groups included
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), saved.state_dict().values()))
+    assert optimizer.param_groups[0]["lr"] == 1e-3 and optimizer.state
+
+    # A changed byte in a shard or in the index: refused before torch.distributed.checkpoint reads it.
+    for name in (".metadata", "__0_0.distcp"):
+        tampered = tmp_path / f"tampered{name}"
+        shutil.copytree(folder.parent, tampered)
+        with open(tampered / folder.name / SHARDS / name, "r+b") as f:
+            f.seek(40)
+            byte = f.read(1)
+            f.seek(40)
+            f.write(bytes([byte[0] ^ 1]))
+        with pytest.raises(CheckpointError, match=f"{name} is truncated or corrupted"):
+            verify_checkpoint(tampered / folder.name)
+        assert latest_valid_checkpoint(tampered) is None
+
+    # Someone who can write the folder can rewrite the manifest too; then the load itself refuses code,
+    # in the index (.metadata) and in the non-tensor values (the optimizer's param_groups).
+    marker = tmp_path / "code-ran"
+    evil_index = tmp_path / "evil-index"
+    shutil.copytree(folder.parent, evil_index)
+    (evil_index / folder.name / SHARDS / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    evil_values, _ = _sharded_checkpoint(tmp_path / "evil-values", poisoned_lr=marker)
+    for evil in (evil_index / folder.name, evil_values):
+        _rewrite_manifest(evil)
+        verify_checkpoint(evil)
+        model, optimizer = fresh()
+        with pytest.raises(CheckpointError, match="cannot load its shards"):
+            load_sharded_checkpoint(model, optimizer, evil)
+        assert not marker.exists()
+
+
+def _rewrite_manifest(folder: Path) -> None:
+    from models.fileio import sha256_file
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for name, entry in manifest["files"].items():
+        entry.update(bytes=(folder / name).stat().st_size, sha256=sha256_file(folder / name))
+    (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
 def test_bad_training_inputs_fail_before_training(shards, tmp_path):
