@@ -130,10 +130,9 @@ def run_stage(
     if found is not None:
         return reuse(found)
 
-    with tracking.stage_run(spec.name, ctx.parent_run_id, params, key, ctx.cfg.tracking.system_metrics) as run_id:
-        with store.building(spec.name, key, spec.resumable) as partial:
-            found = store.lookup(spec.name, key)  # another process may have finished it meanwhile
-            if found is None:
+    with store.building(spec.name, key, spec.resumable) as partial:
+        if partial is not None:
+            with tracking.stage_run(spec.name, ctx.parent_run_id, params, key, ctx.cfg.tracking.system_metrics) as run_id:
                 output = work(partial, run_id)
                 seconds = round(time.perf_counter() - started, 3)
                 record = store.commit(
@@ -143,8 +142,6 @@ def run_stage(
                         metrics=output.metrics, files=output.files, info=output.info, mlflow_run_id=run_id,
                     ),
                 )
-        if found is None:
-            tracking.log_stage_result(run_id, output.metrics, Path(record.output_dir), output.artifacts, output.info)
-    if found is not None:
-        return reuse(found)
-    return record
+                tracking.log_stage_result(run_id, output.metrics, Path(record.output_dir), output.artifacts, output.info)
+            return record
+    return reuse(store.lookup(spec.name, key))  # built by another process while this one waited

@@ -76,11 +76,11 @@ class StageStore:
         return record.model_copy(update={"output_dir": str(record_path.parent)})
 
     @contextlib.contextmanager
-    def building(self, stage: str, key: str, resumable: bool = False) -> Iterator[Path]:
-        """Hold the build lock of a stage output and yield its partial folder.
+    def building(self, stage: str, key: str, resumable: bool = False) -> Iterator[Path | None]:
+        """Hold the build lock of a stage output and yield its partial folder, or None when the output
+        turns out to be finished once the lock is held (another process built it meanwhile: reuse it).
 
-        Another process building the same output is waited for (its result is then reused). A
-        partial folder left by an interrupted attempt is kept for a resumable stage (training
+        A partial folder left by an interrupted attempt is kept for a resumable stage (training
         resumes from its checkpoints) and cleared for any other, which starts over.
         """
         final = self.final_dir(stage, key)
@@ -88,6 +88,9 @@ class StageStore:
         self.root.mkdir(parents=True, exist_ok=True)
         lock_path = self.root / ".locks" / f"{final.name}.lock"
         with hold(lock_path, f"building {final.name}", f"{final.name}, which another cpuforge run is building"):
+            if self.lookup(stage, key) is not None:
+                yield None
+                return
             if partial.exists() and not resumable:
                 shutil.rmtree(partial)
             partial.mkdir(exist_ok=True)

@@ -66,11 +66,11 @@ def test_a_second_builder_of_the_same_stage_waits_and_then_finds_it_built(tmp_pa
     thread.start()
     first_has_lock.wait()
     started = time.monotonic()
-    with caplog.at_level(logging.INFO, logger="cpuforge.locks"), store.building("tokenize", key):
+    with caplog.at_level(logging.INFO, logger="cpuforge.locks"), store.building("tokenize", key) as partial:
         waited = time.monotonic() - started
-        found = store.lookup("tokenize", key)
     thread.join()
-    assert waited >= 1.0 and found is not None  # it waited, then the first builder's output was there
+    assert waited >= 1.0 and partial is None  # it waited, then found the first builder's output: nothing to build
+    assert store.lookup("tokenize", key) is not None and not list(tmp_path.glob("stages/*.partial"))
     assert "which another cpuforge run is building" in caplog.text and "building tokenize-" in caplog.text
 
 
