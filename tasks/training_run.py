@@ -32,6 +32,7 @@ from tasks.data import open_shards, token_byte_lengths, val_batches
 from tasks.errors import ConfigError
 from tasks.hardware import available_cores, choose_precision, matmul_peak
 from tasks.progress import budget_bar
+from tasks.rendezvous import torchrun_command
 from tasks.stage import StageContext
 from tasks.trainer import TrainSettings, lm_loss, train
 
@@ -86,13 +87,16 @@ def training_spec(kind: str, cfg: Config, tokenize_dir: Path | str, out_dir: Pat
     }
 
 
-def execute(spec: dict[str, Any], cfg: Config, key: str) -> dict[str, Any]:
+def execute(spec: dict[str, Any], cfg: Config) -> dict[str, Any]:
     """Train as the spec says, here or under torchrun; returns rank 0's result summary."""
     out_dir = Path(spec["out_dir"])
     if world_size(cfg) > 1:
+        # The stage's folder (stage name and key) names the rendezvous: the same on every machine,
+        # and another stage or config never joins it by mistake.
+        spec = {**spec, "rdzv_id": out_dir.name.removesuffix(".partial")}
         spec_path = out_dir / "launch.json"
         atomic_write_json(spec_path, spec)
-        launch_torchrun(cfg, spec_path, key)
+        launch_torchrun(cfg, spec_path, spec["rdzv_id"])
         return json.loads((out_dir / "result.json").read_text())
     return run_training(spec)
 
@@ -149,17 +153,22 @@ def run_training(spec: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-def launch_torchrun(cfg: Config, spec_path: Path, key: str) -> None:
+def launch_torchrun(cfg: Config, spec_path: Path, rdzv_id: str) -> None:
     """Run tasks.distributed under torchrun; every process trains, rank 0 writes the outputs."""
-    t = cfg.train
-    rendezvous = ["--standalone"] if t.nnodes == 1 else [
-        f"--nnodes={t.nnodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint={t.rdzv_endpoint}", f"--rdzv_id={key[:16]}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc_per_node={t.nproc_per_node}",
-           "-m", "tasks.distributed", str(spec_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_process(cfg))}
+    cmd, network = torchrun_command(cfg, spec_path, rdzv_id)
+    env = {**network, **os.environ, "OMP_NUM_THREADS": str(threads_per_process(cfg))}  # a GLOO_SOCKET_IFNAME set wins
     log.info("launching: %s", " ".join(cmd))
     proc = subprocess.run(cmd, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun exited with code {proc.returncode} (its workers' logs are above)")
 
 
+def join(spec_path: Path) -> None:
+    """Another machine's share of a multi-machine run: the same torchrun, from the stage's launch.json."""
+    spec = json.loads(spec_path.read_text())
+    launch_torchrun(Config.model_validate(spec["config"]), spec_path, spec["rdzv_id"])
+
+
+if __name__ == "__main__":  # python -m tasks.training_run /shared/work/stages/<stage>-<key>.partial/launch.json
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    join(Path(sys.argv[1]))
