@@ -59,11 +59,15 @@ def interface_of(address: str) -> str | None:
 def torchrun_command(cfg: Config, spec_path: Path, rdzv_id: str) -> tuple[list[str], dict[str, str]]:
     """(argv, extra environment) that start this machine's share of the run's worker group."""
     t = cfg.train
+    # Workers get a fresh store from rank 0 in every rendezvous round. The store torchrun shares with
+    # them by default outlives a restart, and a restarted worker read the dead one's gloo address
+    # from it ("Connection refused"), failing once more and using up another restart.
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     restarts = f"--max-restarts={t.max_restarts}"
     entry = ["-m", "tasks.distributed", str(spec_path)]
     if t.nnodes == 1:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", restarts,
-                f"--nproc_per_node={t.nproc_per_node}", *entry], {}
+                f"--nproc_per_node={t.nproc_per_node}", *entry], env
     host, port = split_endpoint(t.rdzv_endpoint)
     local = local_address_towards(host, port)
     # The endpoint's own machine hosts the store; routing to a local address picks that address.
@@ -73,4 +77,4 @@ def torchrun_command(cfg: Config, spec_path: Path, rdzv_id: str) -> tuple[list[s
            f"--rdzv_conf=is_host={str(is_host).lower()}", f"--local_addr={local}", restarts,
            f"--nproc_per_node={t.nproc_per_node}", *entry]
     interface = interface_of(local)
-    return cmd, {"GLOO_SOCKET_IFNAME": interface} if interface else {}
+    return cmd, {**env, "GLOO_SOCKET_IFNAME": interface} if interface else env

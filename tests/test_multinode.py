@@ -25,7 +25,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from models.checkpoint import load_model
@@ -67,7 +66,8 @@ def nodes():
                 pytest.skip(f"cannot create a network namespace: {getattr(exc, 'stderr', None) or exc}")
             created.append(node.netns)
         # Both ends are created inside the namespaces: nothing is added to this machine's own network.
-        _ip("link", "add", f"cpf{pid}a", "netns", a.netns, "type", "veth", "peer", "name", f"cpf{pid}b", "netns", b.netns)
+        _ip("link", "add", f"cpf{pid}a", "netns", a.netns, "type", "veth",
+            "peer", "name", f"cpf{pid}b", "netns", b.netns)
         for node, dev in ((a, f"cpf{pid}a"), (b, f"cpf{pid}b")):
             _ip("-n", node.netns, "addr", "add", f"{node.address}/30", "dev", dev)
             _ip("-n", node.netns, "link", "set", dev, "up")
@@ -178,7 +178,8 @@ def test_ddp_across_two_namespaces(nodes, shards, tmp_path):
     a, b = run["logs"]
     assert sorted(worker_groups(a, "global_ranks") + worker_groups(b, "global_ranks")) == ["[0]", "[1]"]
     assert worker_groups(a, "global_world_sizes") == worker_groups(b, "global_world_sizes") == ["[2]"]
-    assert "--rdzv_id=pretrain-ddp " in a and "--rdzv_id=pretrain-ddp " in b  # from the stage folder; node B took it from launch.json
+    # The rendezvous id comes from the stage folder; node B read it from launch.json.
+    assert "--rdzv_id=pretrain-ddp " in a and "--rdzv_id=pretrain-ddp " in b
     assert run["result"]["steps"] == 12 and run["result"]["tokens"] == 12 * 8 * 64 * 2  # both nodes' batches
     assert run["history"][-1]["loss"] < run["history"][0]["loss"]
     out = tmp_path / "pretrain-ddp.partial"
@@ -218,11 +219,12 @@ def test_a_killed_worker_is_restarted_by_torchrun_and_resumes(nodes, shards, tmp
 
 def test_torchrun_command_for_a_rendezvous_on_this_machine_and_a_bad_endpoint(tmp_path):
     """Without namespaces: the endpoint's own machine hosts the store and advertises the endpoint's address."""
-    cfg = load_config("tiny", overrides=["train.nnodes=2", "train.rdzv_endpoint=127.0.0.1:29555", "train.max_restarts=0"])
+    cfg = load_config("tiny", overrides=["train.nnodes=2", "train.rdzv_endpoint=127.0.0.1:29555",
+                                         "train.max_restarts=0"])
     cmd, env = torchrun_command(cfg, tmp_path / "launch.json", "pretrain-abc")
     assert {"--rdzv_conf=is_host=true", "--local_addr=127.0.0.1", "--rdzv_id=pretrain-abc", "--max-restarts=0",
             "--nnodes=2", "--rdzv_backend=c10d"} <= set(cmd)
-    assert env == {"GLOO_SOCKET_IFNAME": "lo"}
+    assert env["GLOO_SOCKET_IFNAME"] == "lo"
     with pytest.raises(ConfigError, match="is not host:port"):
         torchrun_command(cfg.model_copy(update={"train": cfg.train.model_copy(update={"rdzv_endpoint": "nohost"})}),
                          tmp_path / "launch.json", "x")
