@@ -148,6 +148,8 @@ class TrainConfig(Section):
         "not fit one machine). Checkpoints load under either.")
     nnodes: int = Field(1, gt=0, description="Machines taking part (torchrun).")
     rdzv_endpoint: NonBlank = Field("127.0.0.1:29500", description="torchrun rendezvous host:port.")
+    max_restarts: int = Field(3, ge=0, description="torchrun restarts of the worker group after a worker dies; "
+                              "training resumes from its last checkpoint (with several processes).")
     init_from: NonBlank | None = Field(
         None,
         description="Continue from these pretrained weights instead of starting from scratch: 'champion' (the "

@@ -50,7 +50,7 @@ def pretrain(cfg: Config, tokenized: StageRecord, out_dir: Path, run_id: str, ct
     tracking.log_params(run_id, {"threads": threads, "precision": spec["dtype"], "world_size": world,
                                  "matmul_peak_gflops": round(peak / 1e9, 1),
                                  "init": init.origin if init else "scratch"})
-    result = execute(spec, cfg, tokenized.key)
+    result = execute(spec, cfg)
     training_reports(out_dir, cfg, shards.eod_id)
     baseline = unigram_bpb(shards.train, shards.val, shards.vocab_size, token_byte_lengths(shards.tokenizer_path))
     metrics = {

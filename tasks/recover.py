@@ -61,7 +61,7 @@ def recover(cfg: Config, tokenized: StageRecord, pretrained: StageRecord, pruned
     shards = open_shards(Path(tokenized.output_dir), student_cfg.block_size)
     spec = training_spec("recover", cfg, tokenized.output_dir, out_dir, run_id, ctx,
                          student_dir=pruned.path("model"), teacher_dir=pretrained.path("model"))
-    result = execute(spec, cfg, pruned.key)
+    result = execute(spec, cfg)
     training_reports(out_dir, cfg, shards.eod_id)
     pretrain_tokens = pretrained.metrics.get("tokens", 0)
     log.info("recovered on %s tokens (%.0f%% of pretraining): val bpb %.3f (right after pruning %.3f)",

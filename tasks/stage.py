@@ -88,7 +88,7 @@ class StageContext:
 # weights' or tokenizer file's hash, in the stage's extra key) is in the key instead, so "champion" today and "champion"
 # next week are not mistaken for the same weights, and a run that resolves to no weights at all
 # matches one that never asked.
-NOT_IN_KEY = {"train": ("init_from",), "tokenizer": ("path",),
+NOT_IN_KEY = {"train": ("init_from", "max_restarts"), "tokenizer": ("path",),
               # where and in how many pieces the shards are encoded: they are the same bytes either way
               "data": ("encode_runner", "dask_address", "encode_workers", "piece_bytes")}
 

@@ -34,6 +34,7 @@ from tasks.errors import ConfigError
 from tasks.locks import training_slot
 from tasks.hardware import available_cores, choose_precision, matmul_peak
 from tasks.progress import budget_bar
+from tasks.rendezvous import torchrun_command
 from tasks.stage import StageContext
 from tasks.trainer import TrainSettings, lm_loss, train
 
@@ -88,15 +89,18 @@ def training_spec(kind: str, cfg: Config, tokenize_dir: Path | str, out_dir: Pat
     }
 
 
-def execute(spec: dict[str, Any], cfg: Config, key: str) -> dict[str, Any]:
+def execute(spec: dict[str, Any], cfg: Config) -> dict[str, Any]:
     """Train as the spec says, here or under torchrun; returns rank 0's result summary. Holds one of
     this machine's training slots meanwhile, waiting for one if they are all taken."""
     out_dir = Path(spec["out_dir"])
     with training_slot(f"{spec['kind']} {out_dir.name}"):
         if world_size(cfg) > 1:
+            # The stage's folder (stage name and key) names the rendezvous: the same on every machine,
+            # and another stage or config never joins it by mistake.
+            spec = {**spec, "rdzv_id": out_dir.name.removesuffix(".partial")}
             spec_path = out_dir / "launch.json"
             atomic_write_json(spec_path, spec)
-            launch_torchrun(cfg, spec_path, key)
+            launch_torchrun(cfg, spec_path, spec["rdzv_id"])
             return json.loads((out_dir / "result.json").read_text())
         return run_training(spec)
 
@@ -153,14 +157,10 @@ def run_training(spec: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-def launch_torchrun(cfg: Config, spec_path: Path, key: str) -> None:
+def launch_torchrun(cfg: Config, spec_path: Path, rdzv_id: str) -> None:
     """Run tasks.distributed under torchrun; every process trains, rank 0 writes the outputs."""
-    t = cfg.train
-    rendezvous = ["--standalone"] if t.nnodes == 1 else [
-        f"--nnodes={t.nnodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint={t.rdzv_endpoint}", f"--rdzv_id={key[:16]}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc_per_node={t.nproc_per_node}",
-           "-m", "tasks.distributed", str(spec_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_process(cfg))}
+    cmd, network = torchrun_command(cfg, spec_path, rdzv_id)
+    env = {**network, **os.environ, "OMP_NUM_THREADS": str(threads_per_process(cfg))}  # a GLOO_SOCKET_IFNAME set wins
     log.info("launching: %s", " ".join(cmd))
     # A session of its own, so that when this process is stopped (SIGTERM, Ctrl-C, a cancellation)
     # torchrun and every worker it started are stopped with it instead of training on as orphans.
@@ -184,3 +184,15 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def join(spec_path: Path) -> None:
+    """Another machine's share of a multi-machine run: the same torchrun, from the stage's launch.json."""
+    spec = json.loads(spec_path.read_text())
+    with training_slot(f"{spec['kind']} {spec['rdzv_id']} (joined)"):
+        launch_torchrun(Config.model_validate(spec["config"]), spec_path, spec["rdzv_id"])
+
+
+if __name__ == "__main__":  # python -m tasks.training_run /shared/work/stages/<stage>-<key>.partial/launch.json
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    join(Path(sys.argv[1]))
