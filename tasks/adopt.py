@@ -27,7 +27,7 @@ from tasks.stage import StageContext, StageOutput, StageSpec, run_stage
 from tasks.store import StageRecord
 from tasks.trainer import evaluate
 
-SPEC = StageSpec(name="adopt", version="1", sections=("model", "train"))
+SPEC = StageSpec(name="adopt", version="1", sections=("model", "train"), module=__name__)
 
 
 def adopt(cfg: Config, tokenized: StageRecord, source: PretrainedSource, out_dir: Path) -> StageOutput:

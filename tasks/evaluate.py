@@ -40,7 +40,7 @@ from tasks.store import StageRecord
 
 log = logging.getLogger("cpuforge.evaluate")
 
-SPEC = StageSpec(name="evaluate", version="1", sections=("eval",))
+SPEC = StageSpec(name="evaluate", version="1", sections=("eval",), module=__name__)
 BASELINE, FINAL = "pretrained", "onnx-int8"
 SUMMARY_KEYS = ("variant", "format", "params", "file_bytes", "val_bpb", "ppl", "prefill_tok_s",
                 "prefill_tok_s_by_batch", "decode_tok_s", "peak_rss_mb")

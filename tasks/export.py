@@ -35,7 +35,7 @@ from tasks.store import StageRecord
 
 log = logging.getLogger("cpuforge.export")
 
-SPEC = StageSpec(name="export", version="1", sections=("export",))
+SPEC = StageSpec(name="export", version="1", sections=("export",), module=__name__)
 PARITY_BATCHES = 2
 PARITY_PROMPTS = 4
 PARITY_NEW_TOKENS = 32  # greedy tokens compared per prompt (fixed: the stage's key holds only the export section)

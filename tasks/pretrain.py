@@ -33,7 +33,7 @@ from tasks.training_run import execute, model_config, training_spec, world_size
 
 log = logging.getLogger("cpuforge.pretrain")
 
-SPEC = StageSpec(name="pretrain", version="1", sections=("model", "train"), resumable=True)
+SPEC = StageSpec(name="pretrain", version="1", sections=("model", "train"), resumable=True, module=__name__)
 
 
 def pretrain(cfg: Config, tokenized: StageRecord, out_dir: Path, run_id: str, ctx: StageContext,

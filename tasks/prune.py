@@ -40,7 +40,7 @@ from tasks.trainer import evaluate
 
 log = logging.getLogger("cpuforge.prune")
 
-SPEC = StageSpec(name="prune", version="1", sections=("prune",))
+SPEC = StageSpec(name="prune", version="1", sections=("prune",), module=__name__)
 WIDTH_MULTIPLE = 8  # widths stay multiples of 8: friendlier to vectorized kernels
 
 

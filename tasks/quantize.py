@@ -39,7 +39,7 @@ from tasks.store import StageRecord
 
 log = logging.getLogger("cpuforge.quantize")
 
-SPEC = StageSpec(name="quantize", version="1", sections=("quantize",))
+SPEC = StageSpec(name="quantize", version="1", sections=("quantize",), module=__name__)
 CALIB_BATCH = 4
 CALIB_SEED = 2024  # fixed: the stage's key holds only the quantize section
 

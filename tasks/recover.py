@@ -31,7 +31,7 @@ from tasks.training_run import execute, training_spec, world_size
 
 log = logging.getLogger("cpuforge.recover")
 
-SPEC = StageSpec(name="recover", version="1", sections=("recover", "train"), resumable=True)
+SPEC = StageSpec(name="recover", version="1", sections=("recover", "train"), resumable=True, module=__name__)
 
 
 def distillation_loss(teacher: Llama, temperature: float, kd_weight: float, lm_weight: float):

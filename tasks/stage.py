@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks import tracking
+from tasks.codehash import code_hash
 from tasks.config import Config
 from tasks.errors import UserError
 from tasks.store import StageRecord, StageStore, stage_key
@@ -53,6 +54,10 @@ class StageSpec:
     version: str  # bump when the stage's output for the same inputs changes
     sections: tuple[str, ...]  # the config sections that determine its output
     resumable: bool = False  # keep an interrupted attempt's partial folder (training resumes from its checkpoints)
+    module: str = ""  # the stage's module: the hash of its source and of what it imports is in the key
+
+    def code(self) -> str:
+        return code_hash(self.module) if self.module else ""
 
 
 @dataclass
@@ -115,7 +120,8 @@ def run_stage(
     extra_key: Any = None,
 ) -> StageRecord:
     inputs = inputs or {}
-    key = stage_key(spec.name, spec.version, stage_config(ctx.cfg, spec), {n: r.key for n, r in inputs.items()}, extra_key)
+    key = stage_key(spec.name, spec.version, stage_config(ctx.cfg, spec), {n: r.key for n, r in inputs.items()}, extra_key,
+                    spec.code())
     params = stage_params(ctx.cfg, spec)
     store = ctx.store
     started = time.perf_counter()

@@ -49,9 +49,11 @@ class StageRecord(BaseModel):
         return Path(self.output_dir) / self.files[role]
 
 
-def stage_key(stage: str, version: str, config: dict[str, Any], inputs: dict[str, str], extra: Any = None) -> str:
-    """Hash of what determines a stage's output: its config sections, its inputs' keys, its code version."""
-    payload = {"stage": stage, "version": version, "config": config, "inputs": inputs, "extra": extra}
+def stage_key(stage: str, version: str, config: dict[str, Any], inputs: dict[str, str], extra: Any = None,
+              code: str = "") -> str:
+    """Hash of what determines a stage's output: its config sections, its inputs' keys, its code (the
+    hash of its source, tasks/codehash.py) and its hand-kept version."""
+    payload = {"stage": stage, "version": version, "config": config, "inputs": inputs, "extra": extra, "code": code}
     canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 

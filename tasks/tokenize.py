@@ -30,7 +30,7 @@ from tasks.stage import SERVICE_RETRIES, StageContext, StageOutput, StageSpec, r
 
 log = logging.getLogger("cpuforge.tokenize")
 
-SPEC = StageSpec(name="tokenize", version="1", sections=("data", "tokenizer"))
+SPEC = StageSpec(name="tokenize", version="1", sections=("data", "tokenizer"), module=__name__)
 META_FORMAT = 1
 ENCODE_BATCH_BYTES = 4 * 2**20  # big enough for the Rust side to use every core, small enough to stream
 

@@ -1,0 +1,79 @@
+"""The code a stage's output depends on, as one hash: the stage's module and every project module it
+imports, directly or through others, read from source (nothing is imported).
+
+It is part of the stage key, so editing the trainer re-runs pretraining and recovery, and leaves
+tokenization reused; a version bumped by hand (StageSpec.version) was easy to forget. Imports are
+found with `ast`, including those inside functions, so a module imported lazily still counts.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+from pathlib import Path
+
+PROJECT_PACKAGES = ("flows", "tasks", "models")
+
+
+ROOT = Path(__file__).resolve().parents[1]  # the folder holding flows/, tasks/, models/
+
+
+def _source_file(module: str) -> Path | None:
+    """The module's source file under the project root, found without importing anything."""
+    base = ROOT.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _is_project(name: str) -> bool:
+    return name.split(".")[0] in PROJECT_PACKAGES
+
+
+@functools.cache
+def _imports(module: str) -> frozenset[str]:
+    """Project modules named by the import statements of one module (relative imports resolved)."""
+    path = _source_file(module)
+    if path is None:
+        return frozenset()
+    source = path.read_text(encoding="utf-8")
+    package = module if path is not None and path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:  # `from tasks import tracking` names a module, `from tasks.x import f` does not
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if _is_project(candidate) and _source_file(candidate) else base)
+    return frozenset(name for name in found if _is_project(name) and _source_file(name))
+
+
+@functools.cache
+def module_closure(module: str) -> frozenset[str]:
+    """The module and every project module it imports, transitively."""
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        todo.extend(_imports(name) - seen)
+    return frozenset(seen)
+
+
+@functools.cache
+def code_hash(module: str) -> str:
+    """sha256 over the source of the module's closure (names and bytes, in name order)."""
+    digest = hashlib.sha256()
+    for name in sorted(module_closure(module)):
+        path = _source_file(name)
+        if path is not None:
+            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
