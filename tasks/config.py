@@ -201,8 +201,8 @@ class QuantizeConfig(Section):
     )
     calib_batches: int = Field(8, gt=0, description="Train-split batches for static calibration.")
     max_bpb_increase: float = Field(
-        0.01, ge=0, description="Keep the fastest int8 variant whose bits per byte is at most this fraction "
-        "above the fp32 ONNX model's; if none is, keep the most accurate.")
+        0.01, ge=0, description="Only int8 variants whose bits per byte is at most this fraction above the fp32 "
+        "ONNX model's compete on speed (prefill and decode, see tasks/quantize.py); if none is, keep the most accurate.")
     score_tokens: int = Field(16_384, gt=0, description="Val tokens each quantized candidate is scored on.")
 
 
