@@ -46,10 +46,11 @@ class DataConfig(Section):
     min_docs: int = Field(
         20, ge=2, description="A corpus with fewer documents is cut into about this many chunks so it can be split."
     )
-    encode_runner: Literal["process", "dask", "single"] = Field(
-        "process",
+    encode_runner: Literal["auto", "process", "dask", "single"] = Field(
+        "auto",
         description="Where a split bigger than data.piece_bytes is encoded: 'process' (a local process pool, a "
-        "Prefect task per piece), 'dask' (a Dask cluster through prefect-dask) or 'single' (this process). The "
+        "Prefect task per piece), 'dask' (a Dask cluster through prefect-dask), 'single' (this process) or 'auto' "
+        "('single' on 2 cores or fewer, where the pool measured slower than one process, else 'process'). The "
         "shards are the same byte for byte either way.",
     )
     dask_address: str | None = Field(
