@@ -172,6 +172,12 @@ def choose_precision(requested: str, model_cfg=None, batch: int = 0, threads: in
     return decision
 
 
+def peak_size(dtype: torch.dtype) -> int:
+    """The matmul size the peak is measured at. Emulated bf16 runs at ~1 GFLOP/s: one 2048^3
+    product would take most of a minute, and a smaller one measures the same (low) rate."""
+    return PEAK_SIZE if dtype == torch.float32 or has_native_bf16() else 512
+
+
 def measure_matmul_peak(threads: int, dtype: torch.dtype = torch.float32, size: int = PEAK_SIZE,
                         seconds: float = 1.5) -> float:
     """Sustained FLOP/s of a size^3 matmul with this many threads (best of repeated runs)."""
@@ -202,7 +208,7 @@ def matmul_peak(threads: int, cache_dir: Path, dtype: torch.dtype = torch.float3
     key = f"{cpu_model()}|{threads}|{dtype}|{torch.__version__}"
     cache = cache_dir / "matmul_peak.json"
     known = json.loads(cache.read_text()) if cache.is_file() else {}
-    measured = measure_matmul_peak(threads, dtype)
+    measured = measure_matmul_peak(threads, dtype, peak_size(dtype))
     if measured > known.get(key, 0.0):
         known[key] = measured
         atomic_write_json(cache, known)
