@@ -154,13 +154,14 @@ def choose(quality: dict[str, float], speeds: Samples, fp32_bpb: float, max_incr
     winner = ranked[0]
     lead = scores[winner] / scores[ranked[1]] - 1 if len(ranked) > 1 else math.inf
     noise = max(spread(speeds[winner]["prefill_b1"]), spread(speeds[winner]["decode"]))
-    margins = {"lead_pct": round(100 * lead, 2) if math.isfinite(lead) else 100.0, "noise_pct": round(100 * noise, 2),
-               "decode_vs_fp32_pct": round(100 * decode_vs_fp32[winner], 2), "score": round(scores[winner], 4)}
+    margins = {"noise_pct": round(100 * noise, 2), "decode_vs_fp32_pct": round(100 * decode_vs_fp32[winner], 2),
+               "score": round(scores[winner], 4),
+               **({"lead_pct": round(100 * lead, 2)} if math.isfinite(lead) else {})}  # none without a runner-up
     rule = (f"fastest by the geometric mean of prefill and decode speed-ups over fp32 ({scores[winner]:.2f}x), "
             f"among the candidates {within} that decode at least as fast as fp32")
     if lead > noise:
-        return Decision(winner, f"{rule}; lead {100 * lead:.1f}% over {ranked[1] if len(ranked) > 1 else 'none'} "
-                        f"> spread {100 * noise:.1f}%", settled=eligibility_settled, margins=margins)
+        margin = f"lead {100 * lead:.1f}% over {ranked[1]} > spread {100 * noise:.1f}%" if len(ranked) > 1 else "the only one"
+        return Decision(winner, f"{rule}; {margin}", settled=eligibility_settled, margins=margins)
     tied = [n for n in fast_enough if scores[n] * (1 + noise) >= scores[winner]]
     simplest = min(tied, key=_simplicity)
     margins["score"] = round(scores[simplest], 4)
