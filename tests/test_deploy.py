@@ -102,6 +102,16 @@ def test_int8_model_is_smaller_keeps_quality_and_still_generates(quantized, expo
     assert score_tokens(lm, val, lengths).val_bpb == pytest.approx(score_tokens(fp32, val, lengths).val_bpb, rel=0.02)
 
 
+def test_quantize_reruns_over_an_interrupted_attempt(exported, tokenized, tmp_path):
+    leftover = tmp_path / "candidates" / "static-qdq.onnx"
+    leftover.parent.mkdir()
+    leftover.write_bytes(b"half-written")  # what a kill during quantize_one leaves
+    cfg = load_config("tiny", overrides=["quantize.method=dynamic", "quantize.weight_type=qint8"])
+    result = quantize(cfg, tokenized, exported[0], tmp_path)
+    assert sorted(p.name for p in (tmp_path / "candidates").iterdir()) == ["dynamic-qint8.onnx"]
+    assert result.metrics["rule_rounds"] >= 3 and "dynamic-qint8/decode_tok_s" in result.metrics
+
+
 def test_scores_agree_across_formats_and_match_a_direct_computation(trained, exported, tokenized):
     torch_lm = load_language_model(Path(trained.output_dir))  # a stage folder resolves to its model/
     onnx_lm = load_language_model(exported[0].path("onnx"))
