@@ -1,16 +1,20 @@
 """Training throughput: cpuforge's decoder vs Hugging Face LlamaForCausalLM, side by side.
 
     pip install -e ".[bench]"
-    python benchmarks/train_throughput.py [--profile demo] [--rounds 5] [--steps 3]
+    python benchmarks/train_throughput.py [--profile demo] [--rounds 5] [--steps 3] [--precision auto|fp32|bf16]
 
-Same dimensions, batch, sequence, loss, AdamW and threads; rounds alternate between the two so
-machine noise hits both alike; prints median tokens/s of each, the ratio, and cpuforge's MFU
-against this machine's measured fp32 matmul peak. Goals: ratio >= 1.2, MFU >= 50%.
+Same dimensions, batch, sequence, loss, AdamW, threads and precision; rounds alternate between
+the two so machine noise hits both alike; prints median tokens/s of each, the ratio, and MFU
+against this machine's measured matmul peak in the precision the steps ran in. --precision auto
+(the default) is what the pipeline would pick: the same measured A/B of a training step
+(tasks/hardware.choose_precision; bf16 is not timed on a CPU without native bf16); fp32 or bf16
+forces one (bf16 = autocast, as the trainer runs it). Goals: ratio >= 1.2, MFU >= 50%.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -20,7 +24,7 @@ import torch.nn.functional as F
 from models.config import LlamaConfig
 from models.llama import Llama, flops_per_token, param_count
 from tasks.config import load_config
-from tasks.hardware import available_cores, measure_matmul_peak
+from tasks.hardware import available_cores, choose_precision, measure_matmul_peak, peak_size
 
 
 def hf_model(cfg: LlamaConfig):
@@ -46,16 +50,24 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=available_cores())
     parser.add_argument("--compile", action="store_true",
                         help="also time cpuforge with train.compile=true (torch.compile, ~30 s to compile)")
+    parser.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                        help="auto: what train.precision=auto picks on this CPU (measured); fp32/bf16: forced")
     args = parser.parse_args()
 
     run_cfg = load_config(args.profile, overrides=args.overrides)
     cfg = LlamaConfig(vocab_size=args.vocab_size, **run_cfg.model.model_dump())
     B, T = run_cfg.train.batch_size, cfg.block_size
     torch.set_num_threads(args.threads)
+    precision = choose_precision(args.precision, cfg, B, args.threads)  # no cache: a benchmark measures afresh
+    dtype = getattr(torch, precision["dtype"])
+    print(f"precision: {precision['dtype']} ({precision['reason']})")
     torch.manual_seed(0)
     ours, theirs = Llama(cfg), hf_model(cfg)
     print(f"model: {param_count(ours) / 1e6:.2f}M params (HF: {sum(p.numel() for p in theirs.parameters()) / 1e6:.2f}M), "
           f"batch {B} x {T}, {args.threads} threads")
+
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16) if dtype == torch.bfloat16 else contextlib.nullcontext()
 
     x = torch.randint(0, cfg.vocab_size, (B, T))
     y = torch.randint(0, cfg.vocab_size, (B, T))
@@ -76,12 +88,14 @@ def main() -> None:
 
     def step(name: str) -> None:
         model, fwd = contenders[name]
-        logits = fwd(model)
-        F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1)).backward()
+        with autocast():
+            logits = fwd(model)
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+        loss.backward()
         optimizers[name].step()
         optimizers[name].zero_grad(set_to_none=True)
 
-    peak_before = measure_matmul_peak(args.threads, seconds=3.0)
+    peak_before = measure_matmul_peak(args.threads, dtype, peak_size(dtype), seconds=3.0)
     for name in contenders:  # warm-up (and compilation)
         t0 = time.perf_counter()
         step(name)
@@ -97,10 +111,10 @@ def main() -> None:
             rates[name].append(args.steps * B * T / (time.perf_counter() - t0))
 
     # Other load can only make a measurement low: keep the better of two, before and after.
-    peak = max(peak_before, measure_matmul_peak(args.threads, seconds=3.0))
+    peak = max(peak_before, measure_matmul_peak(args.threads, dtype, peak_size(dtype), seconds=3.0))
     ours_rate = statistics.median(rates["cpuforge"])
     hf_rate = statistics.median(rates["transformers"])
-    print(f"matmul peak (2048^3 fp32, {args.threads} threads): {peak / 1e9:.1f} GFLOP/s")
+    print(f"matmul peak ({peak_size(dtype)}^3 {precision['dtype']}, {args.threads} threads): {peak / 1e9:.1f} GFLOP/s")
     print(f"    cpuforge: {ours_rate:8.0f} tokens/s  MFU {ours_rate * flops_per_token(cfg) / peak:.1%}")
     print(f"transformers: {hf_rate:8.0f} tokens/s  MFU {hf_rate * flops_per_token(cfg) / peak:.1%}")
     if args.compile:

@@ -160,8 +160,9 @@ def config_param_count(cfg: LlamaConfig) -> int:
     return cfg.n_layer * per_layer + embeddings + cfg.d_model
 
 
-def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None) -> float:
-    """Training FLOPs per token: 6 x matmul parameters + attention (PaLM appendix B convention).
+def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None, backward: bool = True) -> float:
+    """Training FLOPs per token: 6 x matmul parameters + attention (PaLM appendix B convention);
+    with backward=False the forward pass alone, a third of that (2 x parameters + attention).
 
     The LM head is a matmul whether or not it is tied, so it counts; the embedding lookup does not.
     """
@@ -169,4 +170,5 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None) -> float:
     attn = cfg.d_model * (cfg.n_head + 2 * cfg.n_kv_head) * cfg.head_dim + cfg.n_head * cfg.head_dim * cfg.d_model
     mlp = 3 * cfg.d_model * cfg.d_mlp
     matmul_params = cfg.n_layer * (attn + mlp) + cfg.d_model * cfg.vocab_size
-    return 6.0 * matmul_params + 12.0 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+    training = 6.0 * matmul_params + 12.0 * cfg.n_layer * cfg.n_head * cfg.head_dim * T
+    return training if backward else training / 3

@@ -58,10 +58,11 @@ class DataConfig(Section):
     min_docs: int = Field(
         20, ge=2, description="A corpus with fewer documents is cut into about this many chunks so it can be split."
     )
-    encode_runner: Literal["process", "dask", "single"] = Field(
-        "process",
+    encode_runner: Literal["auto", "process", "dask", "single"] = Field(
+        "auto",
         description="Where a split bigger than data.piece_bytes is encoded: 'process' (a local process pool, a "
-        "Prefect task per piece), 'dask' (a Dask cluster through prefect-dask) or 'single' (this process). The "
+        "Prefect task per piece), 'dask' (a Dask cluster through prefect-dask), 'single' (this process) or 'auto' "
+        "('single' on 2 cores or fewer, where the pool measured slower than one process, else 'process'). The "
         "shards are the same byte for byte either way.",
     )
     dask_address: NonBlank | None = Field(
@@ -137,7 +138,8 @@ class TrainConfig(Section):
     seed: int = Field(1337, description="Seed for initialisation and data order.")
     threads: int = Field(0, ge=0, description="Intra-op threads per process (0 = the cores available).")
     precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="'auto' uses bf16 autocast only where the CPU has native bf16."
+        "auto", description="'auto' times a few training steps in fp32 and under bf16 autocast on this CPU and keeps "
+        "the faster (bf16 is not timed where the CPU lacks native bf16); cached per CPU, threads, model and batch."
     )
     activation_checkpointing: bool = Field(False, description="Recompute activations to save memory.")
     compile: bool = Field(False, description="torch.compile the model.")
@@ -214,8 +216,8 @@ class QuantizeConfig(Section):
     )
     calib_batches: int = Field(8, gt=0, description="Train-split batches for static calibration.")
     max_bpb_increase: float = Field(
-        0.01, ge=0, description="Keep the fastest int8 variant whose bits per byte is at most this fraction "
-        "above the fp32 ONNX model's; if none is, keep the most accurate.")
+        0.01, ge=0, description="Only int8 variants whose bits per byte is at most this fraction above the fp32 "
+        "ONNX model's compete on speed (prefill and decode, see tasks/quantize.py); if none is, keep the most accurate.")
     score_tokens: int = Field(16_384, gt=0, description="Val tokens each quantized candidate is scored on.")
 
 

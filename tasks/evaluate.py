@@ -5,7 +5,9 @@ onnx-int8 (onnxruntime). For each: bits per byte and perplexity on the first
 ``eval.max_tokens`` val tokens, parameters, file size, prefill tokens/s at full context for
 each of ``eval.batch_sizes``, decode tokens/s with the KV cache, peak RSS and samples from
 the fixed prompts. Each variant is measured in a fresh process, one after the other, so its
-peak RSS is its own and no two measurements share the cores.
+peak RSS is its own and no two measurements share the cores. Speeds are then timed in one more
+process that holds every variant and visits them in turn, round after round (best of
+SPEED_ROUNDS), so machine noise cannot favour whichever variant happened to run in a quiet spell.
 
 Outputs: ``variants.json``, ``report.md``, ``quality_vs_size_speed.png``; in MLflow the
 metrics (``<variant>/<metric>``), a table and the files; in Prefect a table and the report.
@@ -40,7 +42,8 @@ from tasks.store import StageRecord
 
 log = logging.getLogger("cpuforge.evaluate")
 
-SPEC = StageSpec(name="evaluate", version="1", sections=("eval",), module=__name__)
+SPEC = StageSpec(name="evaluate", version="2", sections=("eval",), module=__name__)  # 2: speeds timed in alternation
+SPEED_ROUNDS = 5
 BASELINE, FINAL = "pretrained", "onnx-int8"
 SUMMARY_KEYS = ("variant", "format", "params", "file_bytes", "val_bpb", "ppl", "prefill_tok_s",
                 "prefill_tok_s_by_batch", "decode_tok_s", "peak_rss_mb")
@@ -52,7 +55,7 @@ def variant_paths(pretrain: StageRecord, prune: StageRecord, recover: StageRecor
             "onnx-fp32": export.path("onnx"), "onnx-int8": quantize.path("onnx")}
 
 
-def _measure_in_fresh_process(name: str, **kwargs: Any) -> dict[str, Any]:
+def _measure_in_fresh_process(name: str, **kwargs: Any) -> Any:
     with tempfile.TemporaryDirectory(prefix="cpuforge-measure-") as tmp:
         args, result = Path(tmp) / "args.json", Path(tmp) / "result.json"
         args.write_text(json.dumps(kwargs))
@@ -77,12 +80,16 @@ def evaluate(cfg: Config, tokenized: StageRecord, paths: dict[str, Path], out_di
     for name, path in paths.items():
         result = _measure_in_fresh_process(
             name, model_path=str(path), tokenize_dir=tokenized.output_dir, max_tokens=e.max_tokens, batch_sizes=e.batch_sizes,
-            decode_tokens=e.decode_tokens, prompts=e.prompts, max_new_tokens=e.max_new_tokens,
-            threads=available_cores(), seed=SAMPLE_SEED)
+            prompts=e.prompts, max_new_tokens=e.max_new_tokens, threads=available_cores(), seed=SAMPLE_SEED)
         variants.append({"variant": name, **result})
+    speeds = _measure_in_fresh_process(
+        "speeds", speeds=True, model_paths={name: str(path) for name, path in paths.items()},
+        batch_sizes=e.batch_sizes, decode_tokens=e.decode_tokens, threads=available_cores(), rounds=SPEED_ROUNDS)
+    for v in variants:
+        v.update(speeds[v["variant"]])
         log.info("%-10s %9s params %8.2f MB  bpb %.4f  prefill %8.0f tok/s  decode %6.0f tok/s  rss %5.0f MB",
-                 name, f"{result['params']:,}", result["file_bytes"] / 1e6, result["val_bpb"],
-                 result["prefill_tok_s"], result["decode_tok_s"], result["peak_rss_mb"])
+                 v["variant"], f"{v['params']:,}", v["file_bytes"] / 1e6, v["val_bpb"], v["prefill_tok_s"],
+                 v["decode_tok_s"], v["peak_rss_mb"])
 
     by_name = {v["variant"]: v for v in variants}
     base, final = by_name[BASELINE], by_name[FINAL]

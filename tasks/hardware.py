@@ -1,4 +1,5 @@
-"""What this CPU can do: cores, native bf16, and the measured fp32 matmul peak (MFU's denominator)."""
+"""What this CPU can do: cores, native bf16, the training precision that is faster here (a measured
+A/B of a real training step), and the measured matmul peak of each precision (MFU's denominator)."""
 
 from __future__ import annotations
 
@@ -72,16 +73,109 @@ def has_native_bf16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
-def choose_precision(requested: str) -> torch.dtype:
-    if requested == "fp32":
-        return torch.float32
+# bf16 autocast must beat fp32 by this much to be chosen: it rounds activations, so a draw is fp32's.
+BF16_MIN_GAIN = 1.05
+AB_ROUNDS = 3  # timed steps per precision, alternating, after one warm-up step of each
+
+
+def time_training_steps(model_cfg, batch: int, threads: int, dtypes: tuple[torch.dtype, ...],
+                        teacher_cfg=None, rounds: int = AB_ROUNDS) -> dict[torch.dtype, float]:
+    """Tokens/s of a real training step (forward, backward, AdamW) of this model shape in each dtype
+    (bf16 = autocast, as the trainer runs it), best of `rounds` steps taken in alternation so that
+    machine noise hits every dtype alike. With a teacher its forward pass is part of the step."""
+    import torch.nn.functional as F
+
+    from models.llama import Llama
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randint(0, model_cfg.vocab_size, (batch, model_cfg.block_size), generator=g)
+        y = torch.randint(0, model_cfg.vocab_size, (batch, model_cfg.block_size), generator=g)
+        model = Llama(model_cfg)
+        teacher = Llama(teacher_cfg).eval() if teacher_cfg is not None else None
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+
+        def step(dtype: torch.dtype) -> float:
+            t0 = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                if teacher is not None:
+                    with torch.no_grad():
+                        teacher(x)
+                logits, _ = model(x)
+                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return time.perf_counter() - t0
+
+        for dtype in dtypes:  # warm-up: first-call allocations and kernel selection
+            step(dtype)
+        best = {dtype: float("inf") for dtype in dtypes}
+        for _ in range(rounds):
+            for dtype in dtypes:
+                best[dtype] = min(best[dtype], step(dtype))
+        return {dtype: batch * model_cfg.block_size / seconds for dtype, seconds in best.items()}
+    finally:
+        torch.set_num_threads(previous)
+
+
+def choose_precision(requested: str, model_cfg=None, batch: int = 0, threads: int = 1,
+                     cache_dir: Path | None = None, teacher_cfg=None) -> dict:
+    """The training dtype, and why: {"dtype", "reason", "fp32_tok_s", "bf16_tok_s"} (the figures are
+    None when not measured).
+
+    'fp32' and 'bf16' are taken as asked. 'auto' times a few real training steps of this model
+    shape in fp32 and under bf16 autocast and keeps the faster (bf16 only by BF16_MIN_GAIN or more);
+    on a CPU without native bf16 (no avx512_bf16/amx_bf16) bf16 is emulated, typically tens of times
+    slower, so it is not timed at all. The decision is cached per (CPU, threads, model shape, batch,
+    torch version) in <cache_dir>/precision.json: the A/B costs seconds, the cache hit nothing.
+    """
     native = has_native_bf16()
+    if requested == "fp32":
+        return {"dtype": "float32", "reason": "train.precision=fp32", "fp32_tok_s": None, "bf16_tok_s": None}
     if requested == "bf16":
         if not native:
             log.warning("train.precision=bf16 on a CPU without native bf16 (no avx512_bf16/amx): expect it to be "
                         "many times slower than fp32")
-        return torch.bfloat16
-    return torch.bfloat16 if native else torch.float32
+        return {"dtype": "bfloat16", "reason": "train.precision=bf16", "fp32_tok_s": None, "bf16_tok_s": None}
+    if model_cfg is None or batch <= 0:
+        raise ValueError("train.precision=auto measures a training step: give the model config and the batch size")
+    shape = json.dumps(model_cfg.to_dict(), sort_keys=True)
+    teacher = json.dumps(teacher_cfg.to_dict(), sort_keys=True) if teacher_cfg is not None else "-"
+    key = f"{cpu_model()}|{threads}|{shape}|{teacher}|{batch}|{torch.__version__}"
+    cache = cache_dir / "precision.json" if cache_dir is not None else None
+    known = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
+    if key in known:
+        decision = known[key]
+        log.info("precision %s (cached A/B: %s)", decision["dtype"], decision["reason"])
+        return decision
+    if not native:
+        fp32 = time_training_steps(model_cfg, batch, threads, (torch.float32,), teacher_cfg)[torch.float32]
+        decision = {"dtype": "float32", "fp32_tok_s": round(fp32, 1), "bf16_tok_s": None,
+                    "reason": "no native bf16 on this CPU (no avx512_bf16/amx_bf16): bf16 not timed, it is emulated "
+                              "and many times slower"}
+    else:
+        rates = time_training_steps(model_cfg, batch, threads, (torch.float32, torch.bfloat16), teacher_cfg)
+        fp32, bf16 = rates[torch.float32], rates[torch.bfloat16]
+        faster = bf16 >= BF16_MIN_GAIN * fp32
+        decision = {"dtype": "bfloat16" if faster else "float32", "fp32_tok_s": round(fp32, 1),
+                    "bf16_tok_s": round(bf16, 1),
+                    "reason": f"measured training step: bf16 autocast {bf16:.0f} tok/s vs fp32 {fp32:.0f} tok/s "
+                              f"({bf16 / fp32:.2f}x; bf16 needs >= {BF16_MIN_GAIN:g}x)"}
+    log.info("precision %s: %s", decision["dtype"], decision["reason"])
+    if cache is not None:
+        from models.fileio import atomic_write_json
+
+        atomic_write_json(cache, {**known, key: decision})
+    return decision
+
+
+def peak_size(dtype: torch.dtype) -> int:
+    """The matmul size the peak is measured at. Emulated bf16 runs at ~1 GFLOP/s: one 2048^3
+    product would take most of a minute, and a smaller one measures the same (low) rate."""
+    return PEAK_SIZE if dtype == torch.float32 or has_native_bf16() else 512
 
 
 def measure_matmul_peak(threads: int, dtype: torch.dtype = torch.float32, size: int = PEAK_SIZE,
@@ -114,10 +208,10 @@ def matmul_peak(threads: int, cache_dir: Path, dtype: torch.dtype = torch.float3
     key = f"{cpu_model()}|{threads}|{dtype}|{torch.__version__}"
     cache = cache_dir / "matmul_peak.json"
     known = json.loads(cache.read_text()) if cache.is_file() else {}
-    measured = measure_matmul_peak(threads, dtype)
+    measured = measure_matmul_peak(threads, dtype, peak_size(dtype))
     if measured > known.get(key, 0.0):
         known[key] = measured
         atomic_write_json(cache, known)
-    log.info("fp32 matmul peak with %d threads: %.1f GFLOP/s (this measurement %.1f)",
-             threads, known[key] / 1e9, measured / 1e9)
+    log.info("%s matmul peak with %d threads: %.1f GFLOP/s (this measurement %.1f)",
+             str(dtype).removeprefix("torch."), threads, known[key] / 1e9, measured / 1e9)
     return float(known[key])

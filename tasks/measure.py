@@ -1,4 +1,5 @@
-"""`python -m tasks.measure ARGS.json RESULT.json`: measure one model variant in a process of its own.
+"""`python -m tasks.measure ARGS.json RESULT.json`: measure one model variant in a process of its own
+(or, with ``"speeds": true`` in ARGS, time every variant in alternation, see scoring.measure_speeds).
 
 A fresh interpreter (not a multiprocessing child, which would inherit the parent's sys.path,
 polluted by onnxruntime.quantization with a folder holding another package named `models`),
@@ -12,12 +13,13 @@ import sys
 from pathlib import Path
 
 from models.fileio import atomic_write_json
-from tasks.scoring import measure_variant
+from tasks.scoring import measure_speeds, measure_variant
 
 
 def main(args_path: str, result_path: str) -> None:
     kwargs = json.loads(Path(args_path).read_text())
-    atomic_write_json(Path(result_path), measure_variant(**kwargs))
+    measure = measure_speeds if kwargs.pop("speeds", False) else measure_variant
+    atomic_write_json(Path(result_path), measure(**kwargs))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ from tasks.publish import finish_stage
 from tasks.reports import training_reports
 from tasks.stage import TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, StageSpec, run_stage
 from tasks.store import StageRecord
-from tasks.training_run import execute, model_config, training_spec, world_size
+from tasks.training_run import (
+    execute, model_config, precision_metrics, precision_params, training_spec, world_size,
+)
 
 log = logging.getLogger("cpuforge.pretrain")
 
@@ -47,8 +49,7 @@ def pretrain(cfg: Config, tokenized: StageRecord, out_dir: Path, run_id: str, ct
                          **({"init_dir": Path(init.folder)} if init else {}))
     threads, peak = spec["threads"], spec["peak_flops"]
     _check_resumable(out_dir / "checkpoints", model_cfg)
-    tracking.log_params(run_id, {"threads": threads, "precision": spec["dtype"], "world_size": world,
-                                 "matmul_peak_gflops": round(peak / 1e9, 1),
+    tracking.log_params(run_id, {"threads": threads, "world_size": world, **precision_params(spec),
                                  "init": init.origin if init else "scratch"})
     result = execute(spec, cfg)
     training_reports(out_dir, cfg, shards.eod_id)
@@ -60,6 +61,7 @@ def pretrain(cfg: Config, tokenized: StageRecord, out_dir: Path, run_id: str, ct
         "unigram_bpb": round(baseline, 4), "peak_rss_mb": round(result["peak_rss_mb"], 1),
         "seconds": round(time.perf_counter() - started, 2), "train_seconds": round(result["seconds"], 2),
         "matmul_peak_gflops": round(peak / 1e9, 1), "world_size": world, "threads": threads,
+        "flops_per_token": spec["flops_per_token"], **precision_metrics(spec),
     }
     log.info("pretrained %s params on %s tokens: val bpb %.3f (unigram baseline %.3f)",
              f"{metrics['params']:,}", f"{metrics['tokens']:,}", metrics["val_bpb"], baseline)

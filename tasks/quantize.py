@@ -5,17 +5,33 @@ Candidates (``quantize.method``, ``quantize.weight_type``):
   unsigned (QUInt8) weights are both tried under ``weight_type=auto``: on CPUs without VNNI
   the u8*s8 kernels can saturate, so which one stays accurate is measured, not assumed.
 - static: QDQ with activation ranges calibrated on train-split batches.
-Each is scored on the same validation tokens (bits per byte) and timed (prefill tokens/s at
-full context, batch 1). Rule: among candidates whose bits per byte is at most
-``quantize.max_bpb_increase`` above the fp32 model's, keep the fastest; if none is, keep the
-most accurate. The kept one is ``model.int8.onnx``; every candidate stays in ``candidates/``.
+Each is scored on the same validation tokens (bits per byte) and timed with the fp32 model
+itself, in alternation (tasks/scoring.alternating_speeds): prefill tokens/s at full context and
+decode tokens/s with the KV cache, both at batch 1, each the best of its rounds.
+
+Rule (``choose``, a pure function of those figures):
+1. Quality: only candidates whose bits per byte is at most ``quantize.max_bpb_increase`` above
+   the fp32 model's; if none is, the most accurate is kept and speed is not asked.
+2. Decode: a candidate that decodes slower than the fp32 ONNX model is never the winner (at
+   this size per-token overhead, not arithmetic, decides decode, and static QDQ can lose 3x).
+3. Speed: of the rest, the highest geometric mean of its prefill and decode speed-ups over
+   fp32. Rounds go on (MIN_ROUNDS..MAX_ROUNDS) until the winner's lead over the next candidate,
+   and every candidate's decode margin over fp32, exceed the spread of the measurements; a lead
+   still within the spread after the last round is a tie, and a tie goes to the simpler
+   candidate (dynamic before static, qint8 before quint8).
+4. ``model.int8.onnx`` is int8, as its name promises: if no int8 candidate decodes as fast as
+   fp32, the one that decodes closest to it is kept, and the metrics
+   (``int8_decodes_slower_than_fp32``) and the report say that the fp32 model decodes faster.
+The kept one is ``model.int8.onnx``; every candidate stays in ``candidates/``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -28,18 +44,22 @@ from models.fileio import atomic_write_json, atomic_write_text
 from models.onnx_export import (
     empty_past, input_names, read_metadata, reshare_after_quantization, set_metadata, share_tied_embedding,
 )
-from models.runtime import LanguageModel, load_language_model
+from models.runtime import load_language_model
 from tasks.config import Config
 from tasks.data import BatchSampler, open_shards, token_byte_lengths
 from tasks.hardware import int8_dot_product
 from tasks.publish import finish_stage
-from tasks.scoring import prefill_tokens_per_s, score_tokens
+from tasks.scoring import Samples, alternating_speeds, best, score_tokens, spread
 from tasks.stage import StageContext, StageOutput, StageSpec, run_stage
 from tasks.store import StageRecord
 
 log = logging.getLogger("cpuforge.quantize")
 
-SPEC = StageSpec(name="quantize", version="1", sections=("quantize",), module=__name__)
+SPEC = StageSpec(name="quantize", version="2", sections=("quantize",), module=__name__)  # 2: the rule weighs decode
+# Simplest first: the order a tie is broken in (a dynamic model needs no calibration data).
+SIMPLICITY = ("dynamic-qint8", "dynamic-quint8", "static-qdq")
+MIN_ROUNDS, MAX_ROUNDS = 3, 12
+DECODE_TOKENS = 64
 CALIB_BATCH = 4
 CALIB_SEED = 2024  # fixed: the stage's key holds only the quantize section
 
@@ -88,22 +108,66 @@ def quantize_one(method: str, source: Path, target: Path, reader_factory) -> Non
     onnx.save(proto, str(target))
 
 
-def _measure(lm: LanguageModel, val_tokens: np.ndarray, byte_lengths: np.ndarray) -> dict[str, float]:
-    score = score_tokens(lm, val_tokens, byte_lengths)
-    return {"val_bpb": score.val_bpb, "file_bytes": lm.file_bytes,
-            "prefill_tok_s": round(prefill_tokens_per_s(lm, batch=1, repeats=3), 1)}
+@dataclass
+class Decision:
+    kept: str
+    why: str
+    settled: bool  # the measurements decide it (else more rounds could change it)
+    margins: dict[str, float] = field(default_factory=dict)
+    decodes_slower_than_fp32: bool = False
 
 
-def choose(results: dict[str, dict[str, float]], fp32_bpb: float, max_increase: float) -> tuple[str, str]:
-    """(kept candidate, why) by the rule in the module docstring."""
+def _simplicity(name: str) -> tuple[int, str]:
+    return (SIMPLICITY.index(name) if name in SIMPLICITY else len(SIMPLICITY), name)
+
+
+def speed_score(speeds: dict[str, list[float]], fp32: dict[str, list[float]]) -> float:
+    """Geometric mean of the prefill and decode speed-ups over fp32 (best rounds): both count alike."""
+    return math.sqrt(best(speeds["prefill_b1"]) / best(fp32["prefill_b1"]) * best(speeds["decode"]) / best(fp32["decode"]))
+
+
+def choose(quality: dict[str, float], speeds: Samples, fp32_bpb: float, max_increase: float) -> Decision:
+    """The rule in the module docstring. quality: candidate -> val bits per byte; speeds: candidate
+    (and "fp32") -> {"prefill_b1": [tok/s per round], "decode": [...]}."""
     limit = fp32_bpb * (1 + max_increase)
-    good = {name: r for name, r in results.items() if r["val_bpb"] <= limit}
-    if good:
-        name = max(good, key=lambda n: good[n]["prefill_tok_s"])
-        return name, (f"fastest of the candidates within {100 * max_increase:g}% of the fp32 bits per byte "
-                      f"({fp32_bpb:.4f} -> at most {limit:.4f})")
-    name = min(results, key=lambda n: results[n]["val_bpb"])
-    return name, f"no candidate stays within {100 * max_increase:g}% of the fp32 bits per byte; kept the most accurate"
+    within = f"within {100 * max_increase:g}% of the fp32 bits per byte ({fp32_bpb:.4f} -> at most {limit:.4f})"
+    good = sorted((n for n in quality if quality[n] <= limit), key=_simplicity)
+    if not good:
+        name = min(sorted(quality, key=_simplicity), key=lambda n: quality[n])
+        return Decision(name, f"no candidate stays {within}; kept the most accurate", settled=True)
+    fp32 = speeds["fp32"]
+    fp32_decode = best(fp32["decode"])
+    decode_vs_fp32 = {n: best(speeds[n]["decode"]) / fp32_decode - 1 for n in good}
+    # A decode margin within the noise of either figure could flip with one more round.
+    decode_noise = {n: max(spread(speeds[n]["decode"]), spread(fp32["decode"])) for n in good}
+    eligibility_settled = all(abs(decode_vs_fp32[n]) > decode_noise[n] for n in good)
+    fast_enough = [n for n in good if decode_vs_fp32[n] >= 0]
+    if not fast_enough:
+        name = max(good, key=lambda n: decode_vs_fp32[n])  # good is simplest-first: max keeps the first of equals
+        return Decision(
+            name, f"no int8 candidate {within} decodes as fast as the fp32 ONNX model at batch 1; kept the closest "
+                  f"({name}, {100 * decode_vs_fp32[name]:+.1f}% decode vs fp32): for generation the fp32 model is faster",
+            settled=eligibility_settled, decodes_slower_than_fp32=True,
+            margins={"decode_vs_fp32_pct": round(100 * decode_vs_fp32[name], 2)})
+    scores = {n: speed_score(speeds[n], fp32) for n in fast_enough}
+    ranked = sorted(fast_enough, key=lambda n: -scores[n])
+    winner = ranked[0]
+    lead = scores[winner] / scores[ranked[1]] - 1 if len(ranked) > 1 else math.inf
+    noise = max(spread(speeds[winner]["prefill_b1"]), spread(speeds[winner]["decode"]))
+    margins = {"noise_pct": round(100 * noise, 2), "decode_vs_fp32_pct": round(100 * decode_vs_fp32[winner], 2),
+               "score": round(scores[winner], 4),
+               **({"lead_pct": round(100 * lead, 2)} if math.isfinite(lead) else {})}  # none without a runner-up
+    rule = (f"fastest by the geometric mean of prefill and decode speed-ups over fp32 ({scores[winner]:.2f}x), "
+            f"among the candidates {within} that decode at least as fast as fp32")
+    if lead > noise:
+        margin = f"lead {100 * lead:.1f}% over {ranked[1]} > spread {100 * noise:.1f}%" if len(ranked) > 1 else "the only one"
+        return Decision(winner, f"{rule}; {margin}", settled=eligibility_settled, margins=margins)
+    tied = [n for n in fast_enough if scores[n] * (1 + noise) >= scores[winner]]
+    simplest = min(tied, key=_simplicity)
+    margins["score"] = round(scores[simplest], 4)
+    margins["decode_vs_fp32_pct"] = round(100 * decode_vs_fp32[simplest], 2)
+    return Decision(simplest, f"{rule}; {', '.join(sorted(tied, key=_simplicity))} tie within the "
+                    f"{100 * noise:.1f}% spread of the measurements: kept the simplest", settled=False, margins=margins)
 
 
 def quantize(cfg: Config, tokenized: StageRecord, exported: StageRecord, out_dir: Path) -> StageOutput:
@@ -123,41 +187,64 @@ def quantize(cfg: Config, tokenized: StageRecord, exported: StageRecord, out_dir
     if share_tied_embedding(proto):
         onnx.save(proto, str(prepared))
 
-    results = {"fp32": _measure(fp32, val_tokens, byte_lengths)}
+    lms = {"fp32": fp32}
+    results: dict[str, dict] = {"fp32": {"file_bytes": fp32.file_bytes,
+                                         "val_bpb": score_tokens(fp32, val_tokens, byte_lengths).val_bpb}}
     candidates = out_dir / "candidates"
+    shutil.rmtree(candidates, ignore_errors=True)  # an interrupted earlier attempt's partial candidates
     candidates.mkdir()
     for method in candidate_methods(cfg):
         target = candidates / f"{method}.onnx"
         t0 = time.perf_counter()
         quantize_one(method, prepared, target, lambda: _calibration_reader(shards, cfg, fp32.cfg))
-        results[method] = {**_measure(load_language_model(target), val_tokens, byte_lengths),
+        lms[method] = load_language_model(target)
+        results[method] = {"file_bytes": lms[method].file_bytes,
+                           "val_bpb": score_tokens(lms[method], val_tokens, byte_lengths).val_bpb,
                            "quantize_seconds": round(time.perf_counter() - t0, 2)}
-        log.info("%s: %.2f MB, val bpb %.4f, prefill %.0f tok/s", method, results[method]["file_bytes"] / 1e6,
-                 results[method]["val_bpb"], results[method]["prefill_tok_s"])
+        log.info("%s: %.2f MB, val bpb %.4f", method, results[method]["file_bytes"] / 1e6, results[method]["val_bpb"])
     prepared.unlink()
 
     base = results["fp32"]
-    kept, why = choose({k: v for k, v in results.items() if k != "fp32"}, base["val_bpb"], cfg.quantize.max_bpb_increase)
+    quality = {k: v["val_bpb"] for k, v in results.items() if k != "fp32"}
+
+    def decide(samples: Samples) -> Decision:
+        return choose(quality, samples, base["val_bpb"], cfg.quantize.max_bpb_increase)
+
+    # Every candidate with fp32, in alternation, until the rule's margins stand out of the noise.
+    speeds = alternating_speeds(lms, [1], DECODE_TOKENS, MIN_ROUNDS, MAX_ROUNDS, settled=lambda s: decide(s).settled)
+    decision = decide(speeds)
+    kept, why = decision.kept, decision.why
+    rounds = len(speeds["fp32"]["decode"])
+    for name, r in results.items():
+        r.update(prefill_tok_s=round(best(speeds[name]["prefill_b1"]), 1),
+                 decode_tok_s=round(best(speeds[name]["decode"]), 1), samples=speeds[name])
     shutil.copyfile(candidates / f"{kept}.onnx", out_dir / "model.int8.onnx")
-    best = results[kept]
+    kept_r = results[kept]
     metrics: dict[str, float | int] = {
-        "fp32_bytes": base["file_bytes"], "int8_bytes": best["file_bytes"],
-        "size_ratio": round(base["file_bytes"] / best["file_bytes"], 3),
-        "fp32_val_bpb": base["val_bpb"], "val_bpb": best["val_bpb"],
-        "bpb_increase_pct": round(100 * (best["val_bpb"] / base["val_bpb"] - 1), 3),
-        "fp32_prefill_tok_s": base["prefill_tok_s"], "prefill_tok_s": best["prefill_tok_s"],
-        "speedup_vs_fp32": round(best["prefill_tok_s"] / base["prefill_tok_s"], 3),
+        "fp32_bytes": base["file_bytes"], "int8_bytes": kept_r["file_bytes"],
+        "size_ratio": round(base["file_bytes"] / kept_r["file_bytes"], 3),
+        "fp32_val_bpb": base["val_bpb"], "val_bpb": kept_r["val_bpb"],
+        "bpb_increase_pct": round(100 * (kept_r["val_bpb"] / base["val_bpb"] - 1), 3),
+        "fp32_prefill_tok_s": base["prefill_tok_s"], "prefill_tok_s": kept_r["prefill_tok_s"],
+        "speedup_vs_fp32": round(kept_r["prefill_tok_s"] / base["prefill_tok_s"], 3),
+        "fp32_decode_tok_s": base["decode_tok_s"], "decode_tok_s": kept_r["decode_tok_s"],
+        "decode_speedup_vs_fp32": round(kept_r["decode_tok_s"] / base["decode_tok_s"], 3),
+        "int8_decodes_slower_than_fp32": int(decision.decodes_slower_than_fp32),
+        "rule_rounds": rounds, "rule_settled": int(decision.settled),
+        **{f"rule_{k}": v for k, v in decision.margins.items()},
         "seconds": round(time.perf_counter() - started, 2),
     }
     for name, r in results.items():
-        for key in ("val_bpb", "file_bytes", "prefill_tok_s"):
+        for key in ("val_bpb", "file_bytes", "prefill_tok_s", "decode_tok_s"):
             metrics[f"{name}/{key}"] = r[key]
-    report = {"kept": kept, "rule": why, "int8_dot_product": int8_dot_product(), "results": results}
+    report = {"kept": kept, "rule": why, "rounds": rounds, "settled": decision.settled,
+              "int8_dot_product": int8_dot_product(), "results": results}
     atomic_write_json(out_dir / "candidates.json", report)
     atomic_write_text(out_dir / "quantize_report.md", _markdown(report))
-    log.info("kept %s: %.2f MB (%.1fx smaller than fp32 ONNX), val bpb %.4f (%+.2f%%), %.2fx the fp32 prefill speed; %s",
-             kept, best["file_bytes"] / 1e6, metrics["size_ratio"], best["val_bpb"], metrics["bpb_increase_pct"],
-             metrics["speedup_vs_fp32"], why)
+    log.info("kept %s: %.2f MB (%.1fx smaller than fp32 ONNX), val bpb %.4f (%+.2f%%), %.2fx the fp32 prefill and "
+             "%.2fx its decode speed (%d rounds); %s", kept, kept_r["file_bytes"] / 1e6, metrics["size_ratio"],
+             kept_r["val_bpb"], metrics["bpb_increase_pct"], metrics["speedup_vs_fp32"],
+             metrics["decode_speedup_vs_fp32"], rounds, why)
     return StageOutput(metrics=metrics, files={"onnx": "model.int8.onnx", "candidates": "candidates",
                                                "report": "quantize_report.md"},
                        artifacts=["model.int8.onnx", "candidates.json", "quantize_report.md"],
@@ -166,10 +253,13 @@ def quantize(cfg: Config, tokenized: StageRecord, exported: StageRecord, out_dir
 
 def _markdown(report: dict) -> str:
     lines = [f"kept **{report['kept']}**: {report['rule']}", "",
-             f"CPU int8 dot-product instructions: {report['int8_dot_product']}", "",
-             "| variant | file MB | val bits/byte | prefill tok/s (batch 1) |", "|---|---|---|---|"]
+             f"CPU int8 dot-product instructions: {report['int8_dot_product']}. Speeds: best of {report['rounds']} "
+             f"rounds, candidates timed in alternation{'' if report['settled'] else ' (margins still within the noise)'}.",
+             "", "| variant | file MB | val bits/byte | prefill tok/s (batch 1) | decode tok/s (batch 1, KV cache) |",
+             "|---|---|---|---|---|"]
     for name, r in report["results"].items():
-        lines.append(f"| {name} | {r['file_bytes'] / 1e6:.2f} | {r['val_bpb']:.4f} | {r['prefill_tok_s']:,.0f} |")
+        lines.append(f"| {name} | {r['file_bytes'] / 1e6:.2f} | {r['val_bpb']:.4f} | {r['prefill_tok_s']:,.0f} | "
+                     f"{r['decode_tok_s']:,.0f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -19,7 +19,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
 from models.checkpoint import read_config
-from models.llama import Llama, config_param_count
+from models.llama import Llama, config_param_count, flops_per_token
+from tasks import tracking
 from tasks.config import Config
 from tasks.data import open_shards
 from tasks.errors import UserError
@@ -27,7 +28,7 @@ from tasks.publish import finish_stage
 from tasks.reports import training_reports
 from tasks.stage import TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, StageSpec, run_stage
 from tasks.store import StageRecord
-from tasks.training_run import execute, training_spec, world_size
+from tasks.training_run import execute, precision_metrics, precision_params, training_spec, world_size
 
 log = logging.getLogger("cpuforge.recover")
 
@@ -61,6 +62,7 @@ def recover(cfg: Config, tokenized: StageRecord, pretrained: StageRecord, pruned
     shards = open_shards(Path(tokenized.output_dir), student_cfg.block_size)
     spec = training_spec("recover", cfg, tokenized.output_dir, out_dir, run_id, ctx,
                          student_dir=pruned.path("model"), teacher_dir=pretrained.path("model"))
+    tracking.log_params(run_id, {"threads": spec["threads"], "world_size": world_size(cfg), **precision_params(spec)})
     result = execute(spec, cfg)
     training_reports(out_dir, cfg, shards.eod_id)
     pretrain_tokens = pretrained.metrics.get("tokens", 0)
@@ -72,7 +74,11 @@ def recover(cfg: Config, tokenized: StageRecord, pretrained: StageRecord, pruned
                  "val_bpb": round(result["val_bpb"], 4), "params": config_param_count(student_cfg),
                  "tokens_vs_pretrain": round(result["tokens"] / max(1, pretrain_tokens), 4),
                  "tokens_per_s": round(result["tokens_per_s"], 1), "peak_rss_mb": round(result["peak_rss_mb"], 1),
-                 "seconds": round(time.perf_counter() - started, 2), "world_size": world_size(cfg)},
+                 "seconds": round(time.perf_counter() - started, 2), "world_size": world_size(cfg),
+                 # MFU counts the teacher's forward passes too: the step computes them
+                 "mfu": round(result["mfu"], 4), "flops_per_token": spec["flops_per_token"],
+                 "teacher_forward_flops_per_token": flops_per_token(teacher_cfg, backward=False),
+                 "matmul_peak_gflops": round(spec["peak_flops"] / 1e9, 1), **precision_metrics(spec)},
         files={"model": "model", "tokenizer": "model/tokenizer.json", "checkpoints": "checkpoints",
                "loss_curve": "loss_curve.png", "history": "history.jsonl", "samples": "samples.txt"},
         artifacts=["model", "loss_curve.png", "samples.txt"],

@@ -3,13 +3,15 @@
 Quality: bits per byte (tokenizer-independent) and perplexity over consecutive,
 non-overlapping windows of the model's context. Speed: prefill tokens/s at full context and
 decode tokens/s with the KV cache, each the best of a few timed repeats (noise on a shared
-machine only ever slows a run down).
+machine only ever slows a run down); models compared with each other are timed in alternation
+(alternating_speeds), so that noise does not decide between them.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -75,52 +77,117 @@ def score_text(lm: LanguageModel, text: str, batch_size: int = 8) -> Score:
 def prefill_tokens_per_s(lm: LanguageModel, batch: int, seq: int | None = None, repeats: int = 5,
                          seed: int = 0) -> float:
     """Tokens/s of a forward pass over (batch, seq) tokens, seq defaulting to the full context."""
-    seq = seq or lm.cfg.block_size
-    ids = np.random.default_rng(seed).integers(0, lm.cfg.vocab_size, size=(batch, seq))
+    ids = _prefill_ids(lm, batch, seq, seed)
     lm.decoder.logits(ids)  # warm-up: first-call allocations and graph set-up are not throughput
-    best = math.inf
-    for _ in range(repeats):
-        started = time.perf_counter()
-        lm.decoder.logits(ids)
-        best = min(best, time.perf_counter() - started)
-    return batch * seq / best
+    return ids.size / min(_timed_prefill(lm, ids) for _ in range(repeats))
+
+
+def _prefill_ids(lm: LanguageModel, batch: int, seq: int | None = None, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, lm.cfg.vocab_size, size=(batch, seq or lm.cfg.block_size))
+
+
+def _timed_prefill(lm: LanguageModel, ids: np.ndarray) -> float:
+    started = time.perf_counter()
+    lm.decoder.logits(ids)
+    return time.perf_counter() - started
+
+
+def _timed_decode(lm: LanguageModel, n_tokens: int, prompt_len: int = 16) -> float:
+    """Seconds per token of greedy decoding with the KV cache at batch 1, prefill excluded."""
+    n_tokens = min(n_tokens, lm.cfg.block_size - prompt_len - 1)
+    stream = generate(lm.decoder, list(range(1, prompt_len + 1)), n_tokens)
+    next(stream)  # the first token comes from the prefill
+    started = time.perf_counter()
+    steps = sum(1 for _ in stream)  # each further token costs one decode step
+    return (time.perf_counter() - started) / max(1, steps)
 
 
 def decode_tokens_per_s(lm: LanguageModel, n_tokens: int, prompt_len: int = 16, repeats: int = 3) -> float:
     """Tokens/s of greedy decoding with the KV cache at batch 1, prefill excluded."""
-    n_tokens = min(n_tokens, lm.cfg.block_size - prompt_len - 1)
-    prompt = list(range(1, prompt_len + 1))
-    best = math.inf
-    for _ in range(repeats + 1):  # the first pass warms up
-        stream = generate(lm.decoder, prompt, n_tokens)
-        next(stream)  # the first token comes from the prefill
-        started = time.perf_counter()
-        steps = sum(1 for _ in stream)  # each further token costs one decode step
-        best = min(best, (time.perf_counter() - started) / max(1, steps))
-    return 1.0 / best
+    _timed_decode(lm, n_tokens, prompt_len)  # the first pass warms up
+    return 1.0 / min(_timed_decode(lm, n_tokens, prompt_len) for _ in range(repeats))
+
+
+Samples = dict[str, dict[str, list[float]]]  # model -> measure ("prefill_b1", "decode") -> tokens/s per round
+
+
+def alternating_speeds(lms: dict[str, LanguageModel], batch_sizes: list[int], decode_tokens: int,
+                       min_rounds: int = 3, max_rounds: int = 3,
+                       settled: Callable[[Samples], bool] | None = None) -> Samples:
+    """Prefill tokens/s (full context, each batch size) and decode tokens/s (batch 1, KV cache) of
+    several models, measured in rounds that visit every model once, the starting model rotating
+    from round to round: machine noise then lands on all of them alike instead of on whichever was
+    measured during a busy spell. Rounds go on past min_rounds until `settled(samples)` says the
+    figures decide what they are for, or max_rounds. A prefill figure is the best of 3 quick passes.
+    Summaries take the best round: noise on a shared machine only ever slows a run down."""
+    names = list(lms)
+    ids = {name: {b: _prefill_ids(lm, b) for b in batch_sizes} for name, lm in lms.items()}
+    for name, lm in lms.items():  # warm-up: first-call allocations and graph set-up are not throughput
+        for b in batch_sizes:
+            lm.decoder.logits(ids[name][b])
+        _timed_decode(lm, decode_tokens)
+    samples: Samples = {name: {**{f"prefill_b{b}": [] for b in batch_sizes}, "decode": []} for name in names}
+    for round_ in range(max_rounds):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            lm = lms[name]
+            for b in batch_sizes:
+                seconds = min(_timed_prefill(lm, ids[name][b]) for _ in range(3))
+                samples[name][f"prefill_b{b}"].append(ids[name][b].size / seconds)
+            samples[name]["decode"].append(1.0 / _timed_decode(lm, decode_tokens))
+        if round_ + 1 >= min_rounds and (settled is None or settled(samples)):
+            break
+    return samples
+
+
+def best(values: list[float]) -> float:
+    return max(values)
+
+
+def spread(values: list[float]) -> float:
+    """The relative gap between the two best rounds: how far the best-of figure could move with one
+    more round. (Max minus min would only grow with more rounds, so more rounds could never settle it.)"""
+    if len(values) < 2:
+        return 1.0
+    first, second = sorted(values, reverse=True)[:2]
+    return (first - second) / first
 
 
 def measure_variant(model_path: str, tokenize_dir: str, max_tokens: int, batch_sizes: list[int],
-                    decode_tokens: int, prompts: list[str], max_new_tokens: int, threads: int,
-                    seed: int) -> dict:
-    """Everything the evaluate stage reports for one model, meant to run in a fresh process so
-    that its peak RSS is this model's alone."""
+                    prompts: list[str], max_new_tokens: int, threads: int, seed: int) -> dict:
+    """Quality, size, peak RSS and samples of one model, meant to run in a fresh process so that
+    its peak RSS is this model's alone (its speed: measure_speeds, with the other variants)."""
     import torch
 
     torch.set_num_threads(threads)
     lm = load_language_model(Path(model_path), threads=threads)
     val = open_shards(Path(tokenize_dir), lm.cfg.block_size).val[: max_tokens + 1]
     score = score_tokens(lm, np.asarray(val), token_byte_lengths(lm.tokenizer))
-    prefill = {str(b): round(prefill_tokens_per_s(lm, batch=b), 1) for b in batch_sizes}
+    for b in batch_sizes:  # untimed (speed is measured by measure_speeds), but part of this variant's peak RSS
+        lm.decoder.logits(_prefill_ids(lm, b))
     samples = {}
     for prompt in prompts:
         pieces = lm.stream(prompt, max_new_tokens, temperature=0.8, top_k=40, seed=seed)
         samples[prompt] = prompt + "".join(pieces)
     return {
         "format": lm.kind, "params": lm.params, "file_bytes": lm.file_bytes, "val_bpb": score.val_bpb,
-        "ppl": score.ppl, "val_tokens": score.tokens, "prefill_tok_s_by_batch": prefill,
-        "prefill_tok_s": prefill[str(batch_sizes[0])],
-        "decode_tok_s": round(decode_tokens_per_s(lm, decode_tokens), 1),
-        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "ppl": score.ppl, "val_tokens": score.tokens, "peak_rss_mb": round(peak_rss_mb(), 1),
         "samples": samples,
     }
+
+
+def measure_speeds(model_paths: dict[str, str], batch_sizes: list[int], decode_tokens: int, threads: int,
+                   rounds: int) -> dict[str, dict]:
+    """Prefill and decode tokens/s of every variant, timed in alternation in one process (see
+    alternating_speeds), each figure the best of `rounds` rounds."""
+    import torch
+
+    torch.set_num_threads(threads)
+    lms = {name: load_language_model(Path(path), threads=threads) for name, path in model_paths.items()}
+    samples = alternating_speeds(lms, batch_sizes, decode_tokens, min_rounds=rounds, max_rounds=rounds)
+    out = {}
+    for name, measured in samples.items():
+        prefill = {str(b): round(best(measured[f"prefill_b{b}"]), 1) for b in batch_sizes}
+        out[name] = {"prefill_tok_s_by_batch": prefill, "prefill_tok_s": prefill[str(batch_sizes[0])],
+                     "decode_tok_s": round(best(measured["decode"]), 1),
+                     "decode_spread": round(spread(measured["decode"]), 4)}
+    return out

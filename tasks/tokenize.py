@@ -25,7 +25,7 @@ from tasks.corpus import Corpus, load_corpus, source_fingerprint
 from tasks.errors import DataError
 from tasks.progress import progress_bar
 from tasks.publish import finish_stage
-from tasks.parallel_encode import encode_split_in_parallel, runner_kind
+from tasks.parallel_encode import choose_runner, encode_split_in_parallel
 from tasks.stage import SERVICE_RETRIES, StageContext, StageOutput, StageSpec, run_stage
 
 log = logging.getLogger("cpuforge.tokenize")
@@ -249,11 +249,13 @@ def tokenize(cfg: Config, out_dir: Path, cache_dir: Path) -> StageOutput:
 
     stats: dict[str, dict[str, int | str]] = {}
     encode_seconds = 0.0
+    runner, why = choose_runner(data)
+    log.info("encode runner for splits over %d characters: %s (%s)", data.piece_bytes, runner, why)
     for name, split_docs in splits.items():
         n_bytes = sum(len(d.encode("utf-8")) for d in split_docs)
         t0 = time.perf_counter()
         chars = sum(len(d) for d in split_docs)
-        if runner_kind(data) != "single" and chars > data.piece_bytes:  # big enough to be worth workers
+        if runner != "single" and chars > data.piece_bytes:  # big enough to be worth workers
             tokens = encode_split_in_parallel(tokenizer, split_docs, eod_id, dtype, out_dir / f"{name}.bin", data)
         else:
             with progress_bar(f"tokenize {name} (chars)", chars) as advance:

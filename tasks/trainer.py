@@ -58,7 +58,10 @@ class TrainSettings:
     checkpoint_every_minutes: float
     seed: int
     dtype: torch.dtype = torch.float32
-    peak_flops: float = 0.0  # measured matmul FLOP/s per process, for MFU
+    peak_flops: float = 0.0  # measured matmul FLOP/s per process in the step's dtype, for MFU
+    # FLOPs per trained token, for MFU; 0 means the model's own forward + backward. Distillation
+    # adds its teacher's forward passes, which the step computes too.
+    flops_per_token: float = 0.0
     strategy: str = "ddp"  # with several processes: "ddp" (replicas) or "fsdp" (shards), see tasks/sharding.py
 
 
@@ -79,6 +82,11 @@ class TrainResult:
 def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     logits, _ = model(x)
     return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, world: int = 1) -> float:
+    """Model FLOPs utilisation: achieved FLOP/s over the measured peak of every process (0 when unknown)."""
+    return tokens_per_s * flops_per_token / (peak_flops * world) if peak_flops else 0.0
 
 
 def lr_at(step: int, s: TrainSettings, horizon: int) -> float:
@@ -180,10 +188,10 @@ def train(
         sharding.load_optimizer_state(model, optimizer, opt_state)
     net.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    flops_tok = flops_per_token(model.cfg)
+    flops_tok = s.flops_per_token or flops_per_token(model.cfg)
 
     def mfu_at(tokens_per_s: float) -> float:
-        return tokens_per_s * flops_tok / (s.peak_flops * world) if s.peak_flops else 0.0
+        return mfu(tokens_per_s, flops_tok, s.peak_flops, world)
 
     # Steps the token/step budgets allow (none: effectively unlimited, the clock decides).
     limits = [s.max_steps or 10**9]
@@ -259,10 +267,10 @@ def train(
         now = time.perf_counter()
         window = now - window_start
         tok_s = window_tokens / window if window > 0 else 0.0
-        mfu = mfu_at(tok_s)
+        step_mfu = mfu_at(tok_s)
         window_start, window_tokens = now, 0
         record = {"step": step, "loss": loss_sum, **parts, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                  "tokens_per_s": tok_s, "mfu": mfu, "elapsed": elapsed(),
+                  "tokens_per_s": tok_s, "mfu": step_mfu, "elapsed": elapsed(),
                   "peak_rss_mb": peak_rss_mb()}  # before this step's checkpoint (which gathers shards)
         final = out_of_budget()
         if step % s.eval_interval == 0 or final:
@@ -279,7 +287,7 @@ def train(
                 on_progress(min(1.0, fraction), f"step {step} loss {loss_sum:.3f}")
             if "val_bpb" in record:
                 log.info("step %d: loss %.4f, val loss %.4f, val bpb %.4f, %.0f tok/s, MFU %.1f%%",
-                         step, loss_sum, val_loss, val_bpb, tok_s, 100 * mfu)
+                         step, loss_sum, val_loss, val_bpb, tok_s, 100 * step_mfu)
         checkpoint_now = horizon is not None and (
             step % s.checkpoint_every_steps == 0 or now - last_checkpoint >= s.checkpoint_every_minutes * 60 or final)
         if world > 1:

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from models.checkpoint import load_model, save_model
+from models.checkpoint import load_model, read_config, save_model
 from models.config import LlamaConfig, ModelConfigError
 from models.fileio import atomic_write_json, atomic_write_text
-from models.llama import Llama
+from models.llama import Llama, flops_per_token
 from tasks import sharding, tracking
 from tasks.config import Config
 from tasks.data import open_shards, token_byte_lengths, val_batches
@@ -76,17 +76,54 @@ def world_size(cfg: Config) -> int:
     return cfg.train.nproc_per_node * cfg.train.nnodes
 
 
+def trained_shapes(kind: str, cfg: Config, tokenize_dir: Path | str,
+                   **model_dirs: Path) -> tuple[LlamaConfig, LlamaConfig | None]:
+    """(model trained, teacher or None) for a spec's kind, read from the configs on disk."""
+    if kind == "recover":
+        return read_config(Path(model_dirs["student_dir"])), read_config(Path(model_dirs["teacher_dir"]))
+    vocab = open_shards(Path(tokenize_dir), cfg.model.block_size).vocab_size
+    return model_config(cfg, vocab), None
+
+
+def training_flops_per_token(model_cfg: LlamaConfig, teacher_cfg: LlamaConfig | None = None) -> float:
+    """FLOPs a training step spends per token: the model's forward and backward, plus the teacher's
+    forward pass when distilling (MFU counts all the work the step does)."""
+    flops = flops_per_token(model_cfg)
+    return flops + flops_per_token(teacher_cfg, backward=False) if teacher_cfg is not None else flops
+
+
 def training_spec(kind: str, cfg: Config, tokenize_dir: Path | str, out_dir: Path, run_id: str,
                   ctx: StageContext, **model_dirs: Path) -> dict[str, Any]:
-    """What run_training needs, as JSON (it may cross into torchrun workers)."""
+    """What run_training needs, as JSON (it may cross into torchrun workers). The precision is
+    decided here, once (measured A/B under precision=auto), and MFU's denominator is the matmul
+    peak of that precision."""
     threads = threads_per_process(cfg)
+    model_cfg, teacher_cfg = trained_shapes(kind, cfg, tokenize_dir, **model_dirs)
+    precision = choose_precision(cfg.train.precision, model_cfg, cfg.train.batch_size, threads, ctx.cache_dir,
+                                 teacher_cfg)
+    dtype = precision["dtype"]
     return {
         "kind": kind, "config": cfg.model_dump(mode="json"), "tokenize_dir": str(tokenize_dir),
-        "out_dir": str(out_dir), "threads": threads,
-        "dtype": str(choose_precision(cfg.train.precision)).removeprefix("torch."),
-        "peak_flops": matmul_peak(threads, ctx.cache_dir), "tracking_uri": ctx.tracking_uri, "run_id": run_id,
+        "out_dir": str(out_dir), "threads": threads, "dtype": dtype, "precision": precision,
+        "peak_flops": matmul_peak(threads, ctx.cache_dir, getattr(torch, dtype)),
+        "flops_per_token": training_flops_per_token(model_cfg, teacher_cfg),
+        "tracking_uri": ctx.tracking_uri, "run_id": run_id,
         **{name: str(path) for name, path in model_dirs.items()},
     }
+
+
+def precision_params(spec: dict[str, Any]) -> dict[str, Any]:
+    """What a training stage logs to MLflow about its precision: the choice, why, and its peak."""
+    p = spec.get("precision") or {}
+    return {"precision": spec["dtype"], "precision_choice": p.get("reason", ""),
+            "matmul_peak_gflops": round(spec["peak_flops"] / 1e9, 1), "matmul_peak_dtype": spec["dtype"]}
+
+
+def precision_metrics(spec: dict[str, Any]) -> dict[str, float]:
+    """The A/B's figures (tokens/s of a training step per precision), where they were measured."""
+    p = spec.get("precision") or {}
+    return {f"precision_{name}_tok_s": p[f"{name}_tok_s"] for name in ("fp32", "bf16")
+            if p.get(f"{name}_tok_s") is not None}
 
 
 def execute(spec: dict[str, Any], cfg: Config) -> dict[str, Any]:
@@ -114,7 +151,8 @@ def _build(spec: dict[str, Any], cfg: Config, vocab_size: int):
         student, teacher = load_model(Path(spec["student_dir"])), load_model(Path(spec["teacher_dir"]))
         r = cfg.recover
         return student, distillation_loss(teacher, r.temperature, r.kd_weight, r.lm_weight), \
-            recover_settings(cfg, dtype, spec["peak_flops"])
+            replace(recover_settings(cfg, dtype, spec["peak_flops"]),
+                    flops_per_token=training_flops_per_token(student.cfg, teacher.cfg))
     expected = model_config(cfg, vocab_size)
     # Continued pretraining starts from given weights (a checkpoint found later still takes precedence).
     model = load_model(Path(spec["init_dir"]), expect=expected) if spec.get("init_dir") else Llama(expected)

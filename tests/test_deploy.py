@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -20,7 +21,7 @@ from tasks.errors import DataError
 from tasks.export import export
 from tasks.quantize import choose, quantize
 from tasks.registry import decide
-from tasks.scoring import Score, score_text, score_tokens
+from tasks.scoring import Score, alternating_speeds, score_text, score_tokens
 from tasks.store import StageRecord
 from tasks.training_run import run_training
 from tests.test_pretrain import shards, spec_for  # noqa: F401  (module fixture)
@@ -101,6 +102,16 @@ def test_int8_model_is_smaller_keeps_quality_and_still_generates(quantized, expo
     assert score_tokens(lm, val, lengths).val_bpb == pytest.approx(score_tokens(fp32, val, lengths).val_bpb, rel=0.02)
 
 
+def test_quantize_reruns_over_an_interrupted_attempt(exported, tokenized, tmp_path):
+    leftover = tmp_path / "candidates" / "static-qdq.onnx"
+    leftover.parent.mkdir()
+    leftover.write_bytes(b"half-written")  # what a kill during quantize_one leaves
+    cfg = load_config("tiny", overrides=["quantize.method=dynamic", "quantize.weight_type=qint8"])
+    result = quantize(cfg, tokenized, exported[0], tmp_path)
+    assert sorted(p.name for p in (tmp_path / "candidates").iterdir()) == ["dynamic-qint8.onnx"]
+    assert result.metrics["rule_rounds"] >= 3 and "dynamic-qint8/decode_tok_s" in result.metrics
+
+
 def test_scores_agree_across_formats_and_match_a_direct_computation(trained, exported, tokenized):
     torch_lm = load_language_model(Path(trained.output_dir))  # a stage folder resolves to its model/
     onnx_lm = load_language_model(exported[0].path("onnx"))
@@ -154,13 +165,86 @@ def test_bad_model_files_say_what_is_wrong(exported, trained, tmp_path):
         list(lm.stream("word " * 200, 5))
 
 
-def test_quantized_variant_rule():
-    results = {"a": {"val_bpb": 2.00, "prefill_tok_s": 100.0}, "b": {"val_bpb": 2.01, "prefill_tok_s": 150.0},
-               "c": {"val_bpb": 2.30, "prefill_tok_s": 500.0}}
-    assert choose(results, fp32_bpb=2.0, max_increase=0.01)[0] == "b"  # fastest within 1%
-    assert choose(results, fp32_bpb=2.0, max_increase=0.0)[0] == "a"
-    name, why = choose({"c": results["c"]}, fp32_bpb=2.0, max_increase=0.01)
-    assert name == "c" and "most accurate" in why
+def _speeds(prefill: float, decode: float, jitter: float = 0.0, rounds: int = 3) -> dict[str, list[float]]:
+    """Made-up rounds: the best is the given figure, the others `jitter` (relative) below it."""
+    return {"prefill_b1": [prefill] + [prefill * (1 - jitter)] * (rounds - 1),
+            "decode": [decode] + [decode * (1 - jitter)] * (rounds - 1)}
+
+
+def test_quantize_rule_keeps_quality_then_never_a_slower_decoder():
+    fp32 = _speeds(1000.0, 3500.0)
+    quality = {"dynamic-qint8": 2.00, "dynamic-quint8": 2.01, "static-qdq": 2.005}
+    speeds = {"fp32": fp32, "dynamic-qint8": _speeds(1100.0, 3600.0), "dynamic-quint8": _speeds(1050.0, 3700.0),
+              "static-qdq": _speeds(4200.0, 990.0)}  # the fastest prefill, but decodes at a third of fp32
+    decision = choose(quality, speeds, fp32_bpb=2.0, max_increase=0.01)
+    assert decision.kept == "dynamic-qint8" and decision.settled and not decision.decodes_slower_than_fp32
+    assert decision.margins["decode_vs_fp32_pct"] > 0
+    # Quality first: quint8 drops out at 0.1%, static would be the only one left and decodes slower.
+    only_static = choose({**quality, "dynamic-qint8": 2.3}, speeds, fp32_bpb=2.0, max_increase=0.003)
+    assert only_static.kept == "static-qdq" and only_static.decodes_slower_than_fp32
+    assert "fp32 model is faster" in only_static.why
+    # Nothing within the quality limit: the most accurate, whatever its speed.
+    worst = choose({"dynamic-qint8": 2.5, "static-qdq": 2.3}, speeds, fp32_bpb=2.0, max_increase=0.01)
+    assert worst.kept == "static-qdq" and "most accurate" in worst.why
+
+
+def test_quantize_rule_gives_ties_to_the_simpler_candidate():
+    fp32 = _speeds(1000.0, 3000.0, jitter=0.002)
+    same = _speeds(1500.0, 3300.0, jitter=0.002)
+    speeds = {"fp32": fp32, "static-qdq": same, "dynamic-quint8": same, "dynamic-qint8": _speeds(1497.0, 3300.0, 0.002)}
+    quality = {"static-qdq": 2.0, "dynamic-quint8": 2.0, "dynamic-qint8": 2.0}
+    decision = choose(quality, speeds, fp32_bpb=2.0, max_increase=0.01)
+    assert decision.kept == "dynamic-qint8" and not decision.settled  # 0.1% apart with a 0.2% spread: a tie
+    assert choose({"static-qdq": 2.0, "dynamic-quint8": 2.0}, speeds, 2.0, 0.01).kept == "dynamic-quint8"
+
+
+def test_quantize_rule_asks_for_more_rounds_while_the_lead_is_within_the_noise():
+    quality = {"dynamic-qint8": 2.0, "static-qdq": 2.0}
+    fp32 = _speeds(1000.0, 3000.0, jitter=0.01)
+    close = {"fp32": fp32, "dynamic-qint8": _speeds(1100.0, 3300.0, jitter=0.05),
+             "static-qdq": _speeds(1130.0, 3330.0, jitter=0.05)}  # a 2% lead against a 5% spread
+    noisy = choose(quality, close, 2.0, 0.01)
+    assert not noisy.settled and noisy.kept == "dynamic-qint8" and noisy.margins["lead_pct"] < noisy.margins["noise_pct"]
+    steady = {**close, "static-qdq": _speeds(1130.0, 3330.0, jitter=0.005),
+              "dynamic-qint8": _speeds(1100.0, 3300.0, jitter=0.005)}
+    decided = choose(quality, steady, 2.0, 0.01)
+    assert decided.settled and decided.kept == "static-qdq"
+    # A decode margin over fp32 inside the noise is not settled either: one more round could flip it.
+    borderline = {**steady, "dynamic-qint8": _speeds(1100.0, 3010.0, jitter=0.02)}
+    assert not choose(quality, borderline, 2.0, 0.01).settled
+
+
+class _FakeDecoder:
+    """Records which model each timed call went to; no arithmetic."""
+
+    def __init__(self, name: str, calls: list[str]) -> None:
+        self.name, self.calls = name, calls
+        self.cfg = SimpleNamespace(block_size=32, vocab_size=10)
+
+    def logits(self, ids):
+        self.calls.append(self.name)
+        return np.zeros((*np.shape(ids), 10), dtype=np.float32)
+
+    def prefill(self, ids):
+        return np.zeros((len(ids), 10), dtype=np.float32), None
+
+    def step(self, ids, cache, position):
+        return np.zeros((1, 10), dtype=np.float32), None
+
+
+def test_speeds_are_measured_in_alternation_and_rounds_go_on_until_settled():
+    calls: list[str] = []
+    lms = {n: SimpleNamespace(decoder=_FakeDecoder(n, calls), cfg=SimpleNamespace(block_size=32, vocab_size=10))
+           for n in ("fp32", "a", "b")}
+    samples = alternating_speeds(lms, [1], decode_tokens=4, min_rounds=2, max_rounds=6, settled=lambda s: False)
+    assert all(len(s["decode"]) == 6 and len(s["prefill_b1"]) == 6 for s in samples.values())
+    timed = calls[3:]  # after one warm-up call each, rounds of 3 prefill passes per model
+    rounds = [[timed[i] for i in range(start, start + 9, 3)] for start in range(0, len(timed), 9)]
+    assert rounds[0] == ["fp32", "a", "b"] and rounds[1] == ["a", "b", "fp32"]  # each round visits all, rotated
+    assert all(sorted(r) == ["a", "b", "fp32"] for r in rounds)
+    calls.clear()
+    quick = alternating_speeds(lms, [1], decode_tokens=4, min_rounds=2, max_rounds=6, settled=lambda s: True)
+    assert len(quick["a"]["decode"]) == 2
 
 
 def test_champion_gate_promotes_only_a_better_model():

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -248,3 +249,83 @@ def test_bad_training_inputs_fail_before_training(shards, tmp_path):
     with pytest.raises(UserError, match="checkpoint of another model config"):
         _check_resumable(tmp_path / "ck", LlamaConfig(vocab_size=50, n_layer=2, n_head=2, n_kv_head=1, d_model=16,
                                                       d_mlp=32, block_size=16))
+
+
+SMALL = LlamaConfig(vocab_size=64, n_layer=1, n_head=2, n_kv_head=1, d_model=16, d_mlp=32, block_size=16)
+
+
+def test_mfu_divides_by_the_peak_of_the_chosen_precision(shards, tmp_path, monkeypatch):
+    import tasks.training_run as training_run
+
+    asked = []
+
+    def fake_peak(threads, cache_dir, dtype=torch.float32):
+        asked.append(dtype)
+        return {torch.float32: 1e11, torch.bfloat16: 4e11}[dtype]
+
+    monkeypatch.setattr(training_run, "matmul_peak", fake_peak)
+    ctx = SimpleNamespace(cache_dir=tmp_path / "cache", tracking_uri="")
+    for precision, dtype, peak in (("bf16", torch.bfloat16, 4e11), ("fp32", torch.float32, 1e11)):
+        cfg = load_config("tiny", overrides=[f"train.precision={precision}"])
+        spec = training_run.training_spec("pretrain", cfg, shards, tmp_path / "out", "", ctx)
+        assert asked[-1] == dtype and spec["dtype"] == str(dtype).removeprefix("torch.") and spec["peak_flops"] == peak
+        assert training_run.precision_params(spec)["matmul_peak_dtype"] == spec["dtype"]
+
+
+def test_auto_precision_is_a_measured_ab_cached_per_shape(tmp_path, monkeypatch):
+    import tasks.hardware as hardware
+
+    timed = []
+
+    def fake_steps(model_cfg, batch, threads, dtypes, teacher_cfg=None):
+        timed.append(dtypes)
+        return {torch.float32: 1000.0, torch.bfloat16: 1800.0}
+
+    monkeypatch.setattr(hardware, "time_training_steps", fake_steps)
+    monkeypatch.setattr(hardware, "has_native_bf16", lambda: True)
+    chosen = hardware.choose_precision("auto", SMALL, 4, 2, tmp_path)
+    assert chosen["dtype"] == "bfloat16" and chosen["fp32_tok_s"] == 1000.0 and chosen["bf16_tok_s"] == 1800.0
+    assert hardware.choose_precision("auto", SMALL, 4, 2, tmp_path) == chosen and len(timed) == 1  # cached
+    hardware.choose_precision("auto", SMALL, 8, 2, tmp_path)  # another batch is another decision
+    assert len(timed) == 2
+
+    monkeypatch.setattr(hardware, "time_training_steps", lambda *a, **k: {torch.float32: 1000.0, torch.bfloat16: 1020.0})
+    assert hardware.choose_precision("auto", SMALL, 16, 2, tmp_path)["dtype"] == "float32"  # a draw is fp32's
+
+    monkeypatch.setattr(hardware, "has_native_bf16", lambda: False)
+    monkeypatch.setattr(hardware, "time_training_steps", fake_steps)
+    emulated = hardware.choose_precision("auto", SMALL, 32, 2, tmp_path)
+    assert emulated["dtype"] == "float32" and emulated["bf16_tok_s"] is None and timed[-1] == (torch.float32,)
+    assert "no native bf16" in emulated["reason"]
+
+
+def test_the_real_ab_times_both_precisions():
+    from tasks.hardware import time_training_steps
+
+    rates = time_training_steps(SMALL, 2, 1, (torch.float32, torch.bfloat16), teacher_cfg=SMALL, rounds=1)
+    assert set(rates) == {torch.float32, torch.bfloat16} and all(r > 0 for r in rates.values())
+
+
+def test_recover_mfu_counts_the_teachers_forward_passes(shards, tmp_path):
+    from models.checkpoint import save_model
+    from models.llama import flops_per_token
+    from tasks.config import Config
+    from tasks.data import token_byte_lengths, val_batches
+    from tasks.trainer import train
+    from tasks.training_run import _build
+
+    s = open_shards(shards, 64)
+    teacher_cfg = LlamaConfig(vocab_size=s.vocab_size, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_mlp=176, block_size=64)
+    student_cfg = LlamaConfig(vocab_size=s.vocab_size, n_layer=2, n_head=2, n_kv_head=1, d_model=64, d_mlp=96, block_size=64)
+    save_model(Llama(teacher_cfg), tmp_path / "teacher")
+    save_model(Llama(student_cfg), tmp_path / "student")
+    spec = {**spec_for(shards, tmp_path / "out", "train.max_steps=2", "recover.max_steps=2"), "kind": "recover",
+            "student_dir": str(tmp_path / "student"), "teacher_dir": str(tmp_path / "teacher")}
+    cfg = Config.model_validate(spec["config"])
+    model, loss_fn, settings = _build(spec, cfg, s.vocab_size)
+    expected = flops_per_token(student_cfg) + flops_per_token(teacher_cfg) / 3
+    assert settings.flops_per_token == pytest.approx(expected)
+    assert flops_per_token(teacher_cfg, backward=False) == pytest.approx(flops_per_token(teacher_cfg) / 3)
+    result = train(model, s.train, val_batches(s.val, 1, 8, 64), token_byte_lengths(s.tokenizer_path), settings,
+                   tmp_path / "ck", loss_fn=loss_fn)
+    assert result.mfu == pytest.approx(result.tokens_per_s * expected / settings.peak_flops)

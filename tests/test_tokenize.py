@@ -224,17 +224,32 @@ def test_shards_switch_to_uint32_past_65536_tokens():
 
 def test_encoding_in_parallel_on_a_process_pool_or_dask_writes_the_same_shards(tmp_path, text_corpus, prefect_server):
     outputs = {}
-    for runner in ("single", "process", "dask"):
+    for runner in ("single", "process", "dask", "auto"):
         out = tmp_path / runner
         out.mkdir()
         cfg = load_config("tiny", overrides=[f"data.source={text_corpus}", f"data.encode_runner={runner}",
                                              "data.piece_bytes=4096", "data.encode_workers=2"])
         outputs[runner] = (out, tokenize(cfg, out, tmp_path / "cache"))
     single, _ = outputs["single"]
-    for runner in ("process", "dask"):
+    for runner in ("process", "dask", "auto"):
         out, result = outputs[runner]
         for name in ("train.bin", "val.bin", "tokenizer.json"):
             assert (out / name).read_bytes() == (single / name).read_bytes(), (runner, name)
         assert json.loads((out / "meta.json").read_text())["splits"] == json.loads((single / "meta.json").read_text())["splits"]
         assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "train.bin", "val.bin"]
     assert os.path.getsize(single / "train.bin") > 4 * 4096  # several pieces were really made
+
+
+def test_encode_runner_auto_takes_one_process_where_a_pool_is_not_faster(monkeypatch):
+    import tasks.parallel_encode as parallel_encode
+    from tasks.config import DataConfig
+
+    assert DataConfig().encode_runner == "auto"
+    monkeypatch.setattr(parallel_encode, "available_cores", lambda: 2)
+    kind, why = parallel_encode.choose_runner(DataConfig())
+    assert kind == "single" and "2 worker" in why
+    assert parallel_encode.choose_runner(DataConfig(encode_runner="process"))[0] == "process"  # asked for: kept
+    monkeypatch.setattr(parallel_encode, "available_cores", lambda: 8)
+    assert parallel_encode.choose_runner(DataConfig())[0] == "process"
+    assert parallel_encode.choose_runner(DataConfig(encode_workers=2))[0] == "single"
+    assert parallel_encode.choose_runner(DataConfig(dask_address="tcp://127.0.0.1:8786"))[0] == "dask"
