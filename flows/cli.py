@@ -57,14 +57,23 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one setting; repeatable")
 
-    def run_args(p: argparse.ArgumentParser) -> None:
+    def run_args(p: argparse.ArgumentParser, summary: bool = True) -> None:
         config_args(p)
         p.add_argument("--workdir", default="cpuforge-runs", help="stage outputs, summaries, MLflow store")
-        p.add_argument("--summary", help="also write the summary JSON to this file")
+        if summary:
+            p.add_argument("--summary", help="also write the summary JSON to this file")
+        p.add_argument("--rebuild", metavar="STAGE", default="",
+                       help="build this stage and every stage after it again, even where the work folder has them")
 
     run = sub.add_parser("run", help="run the pipeline")
     run_args(run)
     run.set_defaults(handler=_run)
+
+    plan = sub.add_parser("plan", help="show what `run` with the same arguments would reuse and build, and why, "
+                                       "without running anything")
+    run_args(plan, summary=False)
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(handler=_plan)
 
     comp = sub.add_parser("compress", help="prune, recover, export, quantize, evaluate and register an existing "
                                            "pretrained model (no pretraining)")
@@ -190,26 +199,59 @@ def _show_config(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     workdir = _checked_outputs(args)
+    _rebuild_set(args.rebuild)
     cfg = _checked_config(args)
     _check_prune_target(cfg)
     from flows.pipeline import pipeline
 
     return _run_flow(pipeline, profile=cfg.profile, config_file=args.config or "", overrides=args.overrides,
-                     workdir=workdir, summary_path=args.summary or "")
+                     workdir=workdir, summary_path=args.summary or "", rebuild=args.rebuild)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from tasks import plan as planning
+
+    cfg = _checked_config(args)
+    workdir = Path(args.workdir).expanduser().resolve()
+    rows = planning.plan(cfg, workdir, _rebuild_set(args.rebuild))
+    if args.json:
+        print(planning.as_json(rows))
+        return 0
+    width = max(len(row.stage) for row in rows)
+    for row in rows:
+        folder = os.path.relpath(row.folder, Path.cwd()) if row.folder else ""
+        detail = folder if row.action == "reuse" else f"-> {folder}: " + "; ".join(row.reasons)
+        print(f"{row.stage:<{width}}  {row.action:<5}  {detail}")
+    return 0
+
+
+def _rebuild_set(rebuild: str, order=None) -> frozenset[str]:
+    """Check `--rebuild` up front: a stage name that does not exist fails now, in one line."""
+    from tasks import stages
+
+    if not rebuild:
+        return frozenset()
+    try:
+        return stages.from_stage(rebuild, order or stages.PIPELINE)
+    except ValueError as exc:
+        raise UserError(f"--rebuild: {exc}") from None
 
 
 def _compress(args: argparse.Namespace) -> int:
+    from tasks import stages
+
     workdir = _checked_outputs(args)
+    _rebuild_set(args.rebuild, stages.COMPRESS)
     cfg = _checked_config(args)  # the prune target is checked once the model's shape is known
     from flows.compress import compress
 
     return _run_flow(compress, pretrained=args.pretrained, profile=cfg.profile, config_file=args.config or "",
-                     overrides=args.overrides, workdir=workdir, summary_path=args.summary or "")
+                     overrides=args.overrides, workdir=workdir, summary_path=args.summary or "", rebuild=args.rebuild)
 
 
 def _checked_config(args: argparse.Namespace):
     from tasks.config import load_config
-    from tasks.tokenize import stage_extra_key
+    from tasks.corpus import stage_extra_key
 
     cfg = load_config(args.profile, args.config, args.overrides)
     stage_extra_key(cfg)  # resolves the data source: a wrong path fails here, before any work

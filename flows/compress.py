@@ -9,7 +9,10 @@ from typing import Any
 from prefect import flow
 
 from flows.pipeline import compression_half
-from flows.session import DEFAULT_WORKDIR, Profile, PruneStrategy, flow_config, flow_session, run_stage_task
+from flows.session import (
+    DEFAULT_WORKDIR, Profile, PruneStrategy, flow_config, flow_session, rebuild_set, run_stage_task,
+)
+from tasks import stages
 from tasks.adopt import adopt_task
 from tasks.lineage import CHAMPION, find_source_task
 from tasks.tokenize import tokenize_task
@@ -27,6 +30,7 @@ def compress(
     overrides: tuple[str, ...] = (),
     workdir: str = DEFAULT_WORKDIR,
     summary_path: str = "",
+    rebuild: str = "",
 ) -> dict[str, Any]:
     """Compress an existing pretrained model: prune -> recover -> export -> quantize -> evaluate, then register it
     through the champion gate. The model's own shape and tokenizer are used; model.* settings are ignored.
@@ -45,12 +49,14 @@ def compress(
         overrides: more `section.key=value` settings, applied last, e.g. `recover.lr=0.001`.
         workdir: folder (on the worker) for stage outputs, run summaries and, without an MLflow server, the MLflow store.
         summary_path: also write the summary JSON to this file.
+        rebuild: build this stage and every stage after it again, even where the store has them (e.g. prune).
+            Empty: reuse what is there.
     """
     cfg = flow_config(profile, config_file, overrides, data_source=data_source, keep_ratio=keep_ratio,
                       prune_strategy=prune_strategy, recover_minutes=recover_minutes)
     find = partial(find_source_task, pretrained)
-    with flow_session("compress", cfg, workdir, summary_path, find_pretrained=find, adopt_shape=True) as (
-            summary, ctx, source):
+    with flow_session("compress", cfg, workdir, summary_path, find_pretrained=find, adopt_shape=True,
+                      rebuild=rebuild_set(rebuild, stages.COMPRESS)) as (summary, ctx, source):
         tokenized = run_stage_task(tokenize_task, summary, ctx)
         adopted = run_stage_task(adopt_task, summary, ctx, tokenize=tokenized, source=source)
         compression_half(summary, ctx, tokenized, adopted, source)

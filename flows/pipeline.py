@@ -6,7 +6,10 @@ from typing import Any
 
 from prefect import flow
 
-from flows.session import DEFAULT_WORKDIR, Profile, PruneStrategy, flow_config, flow_session, run_stage_task
+from flows.session import (
+    DEFAULT_WORKDIR, Profile, PruneStrategy, flow_config, flow_session, rebuild_set, run_stage_task,
+)
+from tasks import stages
 from tasks.evaluate import evaluate_task
 from tasks.export import export_task
 from tasks.lineage import PretrainedSource, find_init_task, lineage_tags
@@ -33,6 +36,7 @@ def pipeline(
     overrides: tuple[str, ...] = (),
     workdir: str = DEFAULT_WORKDIR,
     summary_path: str = "",
+    rebuild: str = "",
 ) -> dict[str, Any]:
     """Raw text to a small, fast, registered model: tokenize -> pretrain -> prune -> recover -> export -> quantize
     -> evaluate, then the final model is registered in MLflow and promoted to champion if it beats the current one.
@@ -52,12 +56,15 @@ def pipeline(
         overrides: more `section.key=value` settings, applied last, e.g. `train.lr=0.001`.
         workdir: folder (on the worker) for stage outputs, run summaries and, without an MLflow server, the MLflow store.
         summary_path: also write the summary JSON to this file.
+        rebuild: build this stage and every stage after it again, even where the store has them (e.g. prune).
+            Empty: reuse what is there.
     """
     cfg = flow_config(profile, config_file, overrides, data_source=data_source, pretrain_minutes=pretrain_minutes,
                       init_from=init_from, keep_ratio=keep_ratio, prune_strategy=prune_strategy,
                       recover_minutes=recover_minutes)
     find = find_init_task if cfg.train.init_from else None
-    with flow_session("pipeline", cfg, workdir, summary_path, find_pretrained=find) as (summary, ctx, init):
+    with flow_session("pipeline", cfg, workdir, summary_path, find_pretrained=find,
+                      rebuild=rebuild_set(rebuild, stages.PIPELINE)) as (summary, ctx, init):
         tokenized = run_stage_task(tokenize_task, summary, ctx)
         pretrained = run_stage_task(pretrain_task, summary, ctx, tokenize=tokenized, init=init)
         compression_half(summary, ctx, tokenized, pretrained, init)

@@ -16,7 +16,9 @@ from prefect.runtime import flow_run
 from tasks import confinement, tracking
 from tasks.config import Config, load_config
 from tasks.lineage import PretrainedSource, with_source
-from tasks.stage import StageContext
+from tasks import stages
+from tasks.errors import ConfigError
+from tasks.stage import StageContext, StageSpec
 from tasks.store import StageRecord
 from tasks.summary import add_stage, new_summary, write_summary
 
@@ -47,6 +49,16 @@ def form_overrides(**form: Any) -> list[str]:
             if value not in (None, "", 0)]
 
 
+def rebuild_set(rebuild: str, order: tuple[StageSpec, ...]) -> frozenset[str]:
+    """`--rebuild STAGE`: that stage and every one after it ("" rebuilds nothing)."""
+    if not rebuild:
+        return frozenset()
+    try:
+        return stages.from_stage(rebuild, order)
+    except ValueError as exc:
+        raise ConfigError(f"rebuild: {exc}") from None
+
+
 def flow_config(profile: str, config_file: str | None, overrides: Sequence[str] | None, **form: Any) -> Config:
     """The validated config of a flow run: profile, config file, the form's fields, then the overrides.
     On a confined worker every path it names must lie in the allowed folders (tasks/confinement.py)."""
@@ -62,7 +74,7 @@ FindPretrained = Callable[[Config, Path], "PretrainedSource | None"]
 @contextlib.contextmanager
 def flow_session(
     flow_name: str, cfg: Config, workdir: str, summary_path: str | None,
-    find_pretrained: FindPretrained | None = None, adopt_shape: bool = False,
+    find_pretrained: FindPretrained | None = None, adopt_shape: bool = False, rebuild: frozenset[str] = frozenset(),
 ) -> Iterator[tuple[dict[str, Any], StageContext, PretrainedSource | None]]:
     """Set up tracking, find the pretrained weights the run starts from (if any), open the MLflow parent
     run, and write the summary however the run ends. Yields (summary, stage context, pretrained source)."""
@@ -84,7 +96,7 @@ def flow_session(
                                    tags={"cpuforge.run_id": run_id, "cpuforge.flow": flow_name}) as parent_run_id:
             summary["mlflow_run_id"] = parent_run_id
             tracking.end_abandoned_runs(experiment_id, found_by=f"cpuforge run {run_id} (MLflow run {parent_run_id})")
-            yield summary, StageContext(cfg, root, parent_run_id, uri, experiment_id), source
+            yield summary, StageContext(cfg, root, parent_run_id, uri, experiment_id, rebuild), source
         summary["status"] = "completed"
     except Exception as exc:
         summary["status"] = "failed"

@@ -23,11 +23,12 @@ from tasks.data import open_shards, token_byte_lengths, unigram_bpb, val_batches
 from tasks.errors import ModelError
 from tasks.lineage import MODEL_FILES, PretrainedSource
 from tasks.publish import finish_stage
-from tasks.stage import StageContext, StageOutput, StageSpec, run_stage
+from tasks import stages
+from tasks.stage import StageContext, StageOutput, run_stage
 from tasks.store import StageRecord
 from tasks.trainer import evaluate
 
-SPEC = StageSpec(name="adopt", version="1", sections=("model", "train"), module=__name__)
+SPEC = stages.ADOPT
 
 
 def adopt(cfg: Config, tokenized: StageRecord, source: PretrainedSource, out_dir: Path) -> StageOutput:

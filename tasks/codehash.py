@@ -69,11 +69,12 @@ def module_closure(module: str) -> frozenset[str]:
 
 
 @functools.cache
+def module_hashes(module: str) -> dict[str, str]:
+    """sha256 of the source of each module in the closure, by module name."""
+    return {name: hashlib.sha256(_source_file(name).read_bytes()).hexdigest()
+            for name in sorted(module_closure(module)) if _source_file(name) is not None}
+
+
 def code_hash(module: str) -> str:
-    """sha256 over the source of the module's closure (names and bytes, in name order)."""
-    digest = hashlib.sha256()
-    for name in sorted(module_closure(module)):
-        path = _source_file(name)
-        if path is not None:
-            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
+    """One hash over the module's closure: changes when any of its modules' source does."""
+    return hashlib.sha256("\n".join(f"{n}={h}" for n, h in module_hashes(module).items()).encode()).hexdigest()

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.config import DataConfig
+from tasks.config import Config, DataConfig
 from tasks.errors import DataError
 
 log = logging.getLogger("cpuforge.corpus")
@@ -382,3 +382,13 @@ def _require_text(corpus: Corpus, data: DataConfig) -> None:
         first = "; ".join(corpus.skipped[:3])
         raise DataError(f"no decodable text in {data.source!r}: every file was skipped ({first})")
     raise DataError(f"the corpus {data.source!r} is empty: no document holds any text")
+
+
+def stage_extra_key(cfg: Config) -> dict[str, str | None]:
+    """What besides the config determines the tokenize stage's output: the source's content and a
+    given tokenizer file. Here, not in tasks/tokenize.py, so that planning needs no heavy import."""
+    tok_hash = None  # the tokenize stage's extra key
+    if cfg.tokenizer.path:
+        tok_path = Path(cfg.tokenizer.path).expanduser()
+        tok_hash = hashlib.sha256(tok_path.read_bytes()).hexdigest() if tok_path.is_file() else "missing"
+    return {"source": source_fingerprint(cfg.data), "tokenizer_file": tok_hash}

@@ -37,12 +37,13 @@ from tasks.config import Config
 from tasks.hardware import available_cores
 from tasks.publish import finish_stage
 from tasks.reports import SAMPLE_SEED
-from tasks.stage import StageContext, StageOutput, StageSpec, run_stage
+from tasks import stages
+from tasks.stage import StageContext, StageOutput, run_stage
 from tasks.store import StageRecord
 
 log = logging.getLogger("cpuforge.evaluate")
 
-SPEC = StageSpec(name="evaluate", version="2", sections=("eval",), module=__name__)  # 2: speeds timed in alternation
+SPEC = stages.EVALUATE
 SPEED_ROUNDS = 5
 BASELINE, FINAL = "pretrained", "onnx-int8"
 SUMMARY_KEYS = ("variant", "format", "params", "file_bytes", "val_bpb", "ppl", "prefill_tok_s",

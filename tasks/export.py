@@ -30,12 +30,13 @@ from tasks.config import Config
 from tasks.data import open_shards, val_batches
 from tasks.errors import ModelError
 from tasks.publish import finish_stage
-from tasks.stage import StageContext, StageOutput, StageSpec, run_stage
+from tasks import stages
+from tasks.stage import StageContext, StageOutput, run_stage
 from tasks.store import StageRecord
 
 log = logging.getLogger("cpuforge.export")
 
-SPEC = StageSpec(name="export", version="1", sections=("export",), module=__name__)
+SPEC = stages.EXPORT
 PARITY_BATCHES = 2
 PARITY_PROMPTS = 4
 PARITY_NEW_TOKENS = 32  # greedy tokens compared per prompt (fixed: the stage's key holds only the export section)

@@ -27,7 +27,8 @@ from tasks.errors import UserError
 from tasks.lineage import PretrainedSource
 from tasks.publish import finish_stage
 from tasks.reports import training_reports
-from tasks.stage import TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, StageSpec, run_stage
+from tasks import stages
+from tasks.stage import TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, run_stage
 from tasks.store import StageRecord
 from tasks.training_run import (
     execute, model_config, precision_metrics, precision_params, training_spec, world_size,
@@ -35,7 +36,7 @@ from tasks.training_run import (
 
 log = logging.getLogger("cpuforge.pretrain")
 
-SPEC = StageSpec(name="pretrain", version="1", sections=("model", "train"), resumable=True, module=__name__)
+SPEC = stages.PRETRAIN
 
 
 def pretrain(cfg: Config, tokenized: StageRecord, out_dir: Path, run_id: str, ctx: StageContext,

@@ -34,13 +34,14 @@ from tasks.data import BatchSampler, open_shards, token_byte_lengths, val_batche
 from tasks.errors import ConfigError
 from tasks.publish import finish_stage
 from tasks.reports import samples_from_folder
-from tasks.stage import StageContext, StageOutput, StageSpec, run_stage
+from tasks import stages
+from tasks.stage import StageContext, StageOutput, run_stage
 from tasks.store import StageRecord
 from tasks.trainer import evaluate
 
 log = logging.getLogger("cpuforge.prune")
 
-SPEC = StageSpec(name="prune", version="1", sections=("prune",), module=__name__)
+SPEC = stages.PRUNE
 WIDTH_MULTIPLE = 8  # widths stay multiples of 8: friendlier to vectorized kernels
 
 

@@ -50,12 +50,13 @@ from tasks.data import BatchSampler, open_shards, token_byte_lengths
 from tasks.hardware import int8_dot_product
 from tasks.publish import finish_stage
 from tasks.scoring import Samples, alternating_speeds, best, score_tokens, spread
-from tasks.stage import StageContext, StageOutput, StageSpec, run_stage
+from tasks import stages
+from tasks.stage import StageContext, StageOutput, run_stage
 from tasks.store import StageRecord
 
 log = logging.getLogger("cpuforge.quantize")
 
-SPEC = StageSpec(name="quantize", version="2", sections=("quantize",), module=__name__)  # 2: the rule weighs decode
+SPEC = stages.QUANTIZE
 # Simplest first: the order a tie is broken in (a dynamic model needs no calibration data).
 SIMPLICITY = ("dynamic-qint8", "dynamic-quint8", "static-qdq")
 MIN_ROUNDS, MAX_ROUNDS = 3, 12

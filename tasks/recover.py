@@ -26,13 +26,14 @@ from tasks.data import open_shards
 from tasks.errors import UserError
 from tasks.publish import finish_stage
 from tasks.reports import training_reports
-from tasks.stage import TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, StageSpec, run_stage
+from tasks import stages
+from tasks.stage import TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, run_stage
 from tasks.store import StageRecord
 from tasks.training_run import execute, precision_metrics, precision_params, training_spec, world_size
 
 log = logging.getLogger("cpuforge.recover")
 
-SPEC = StageSpec(name="recover", version="1", sections=("recover", "train"), resumable=True, module=__name__)
+SPEC = stages.RECOVER
 
 
 def distillation_loss(teacher: Llama, temperature: float, kd_weight: float, lm_weight: float):

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks import tracking
-from tasks.codehash import code_hash
+from tasks.codehash import code_hash, module_hashes
 from tasks.config import Config
 from tasks.errors import UserError
 from tasks.store import StageRecord, StageStore, stage_key
@@ -53,11 +53,10 @@ class StageSpec:
     name: str
     version: str  # bump when the stage's output for the same inputs changes
     sections: tuple[str, ...]  # the config sections that determine its output
-    resumable: bool = False  # keep an interrupted attempt's partial folder (training resumes from its checkpoints)
     module: str = ""  # the stage's module: the hash of its source and of what it imports is in the key
+    needs: tuple[str, ...] = ()  # the stages whose records it takes (their keys are in its key)
+    resumable: bool = False  # keep an interrupted attempt's partial folder (training resumes from its checkpoints)
 
-    def code(self) -> str:
-        return code_hash(self.module) if self.module else ""
 
 
 @dataclass
@@ -79,6 +78,7 @@ class StageContext:
     parent_run_id: str | None = None
     tracking_uri: str = ""
     experiment_id: str = ""
+    rebuild: frozenset[str] = frozenset()  # stages to build again although the store has them
 
     @property
     def store(self) -> StageStore:
@@ -112,6 +112,17 @@ def stage_params(cfg: Config, spec: StageSpec) -> dict[str, Any]:
     return params
 
 
+def key_parts(spec: StageSpec, cfg: Config, input_keys: dict[str, str], extra_key: Any = None) -> dict[str, Any]:
+    """Everything a stage's key is computed from."""
+    return {"version": spec.version, "config": stage_config(cfg, spec), "inputs": input_keys, "extra": extra_key,
+            "code": module_hashes(spec.module) if spec.module else {}}
+
+
+def key_of(spec: StageSpec, parts: dict[str, Any]) -> str:
+    return stage_key(spec.name, parts["version"], parts["config"], parts["inputs"], parts["extra"],
+                     code_hash(spec.module) if spec.module else "")
+
+
 def run_stage(
     spec: StageSpec,
     ctx: StageContext,
@@ -120,8 +131,10 @@ def run_stage(
     extra_key: Any = None,
 ) -> StageRecord:
     inputs = inputs or {}
-    key = stage_key(spec.name, spec.version, stage_config(ctx.cfg, spec), {n: r.key for n, r in inputs.items()}, extra_key,
-                    spec.code())
+    if set(inputs) != set(spec.needs):
+        raise ValueError(f"stage {spec.name} declares inputs {spec.needs}, was given {tuple(inputs)}")
+    parts = key_parts(spec, ctx.cfg, {n: r.key for n, r in inputs.items()}, extra_key)
+    key = key_of(spec, parts)
     params = stage_params(ctx.cfg, spec)
     store = ctx.store
     started = time.perf_counter()
@@ -132,11 +145,12 @@ def run_stage(
         log.info("%s: reusing %s (cached)", spec.name, found.output_dir)
         return found.model_copy(update={"status": "cached", "seconds": seconds})
 
-    found = store.lookup(spec.name, key)
+    rebuild = spec.name in ctx.rebuild  # `--rebuild`: build it again even though the store has it
+    found = None if rebuild else store.lookup(spec.name, key)
     if found is not None:
         return reuse(found)
 
-    with store.building(spec.name, key, spec.resumable) as partial:
+    with store.building(spec.name, key, spec.resumable, rebuild=rebuild) as partial:
         if partial is not None:
             with tracking.stage_run(spec.name, ctx.parent_run_id, params, key, ctx.cfg.tracking.system_metrics) as run_id:
                 output = work(partial, run_id)
@@ -146,6 +160,7 @@ def run_stage(
                     StageRecord(
                         stage=spec.name, key=key, output_dir=str(partial), seconds=seconds, build_seconds=seconds,
                         metrics=output.metrics, files=output.files, info=output.info, mlflow_run_id=run_id,
+                        key_parts=parts,
                     ),
                 )
                 tracking.log_stage_result(run_id, output.metrics, Path(record.output_dir), output.artifacts, output.info)

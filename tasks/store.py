@@ -23,7 +23,6 @@ from pydantic import BaseModel
 from models.fileio import atomic_write_text
 from tasks.locks import hold
 
-STAGE_ORDER = ("tokenize", "pretrain", "prune", "recover", "export", "quantize", "evaluate")
 RECORD_FILE = "record.json"
 KEY_CHARS = 16
 _UMASK = os.umask(0)
@@ -43,6 +42,9 @@ class StageRecord(BaseModel):
     files: dict[str, str] = {}  # role -> file name inside output_dir
     info: dict[str, Any] = {}  # small extra facts (choices made, warnings), JSON-serialisable
     mlflow_run_id: str | None = None  # the run that produced the output
+    # What the key was computed from (version, config sections, input keys, extra, module hashes):
+    # `cpuforge plan` compares them to say why a stage would be built again.
+    key_parts: dict[str, Any] = {}
     created_at: str = ""
 
     def path(self, role: str) -> Path:
@@ -78,22 +80,23 @@ class StageStore:
         return record.model_copy(update={"output_dir": str(record_path.parent)})
 
     @contextlib.contextmanager
-    def building(self, stage: str, key: str, resumable: bool = False) -> Iterator[Path | None]:
+    def building(self, stage: str, key: str, resumable: bool = False, rebuild: bool = False) -> Iterator[Path | None]:
         """Hold the build lock of a stage output and yield its partial folder, or None when the output
         turns out to be finished once the lock is held (another process built it meanwhile: reuse it).
 
         A partial folder left by an interrupted attempt is kept for a resumable stage (training
-        resumes from its checkpoints) and cleared for any other, which starts over.
+        resumes from its checkpoints) and cleared for any other, which starts over. A rebuild
+        always starts over; the finished folder it replaces stays until the new one is committed.
         """
         final = self.final_dir(stage, key)
         partial = final.with_name(final.name + ".partial")
         self.root.mkdir(parents=True, exist_ok=True)
         lock_path = self.root / ".locks" / f"{final.name}.lock"
         with hold(lock_path, f"building {final.name}", f"{final.name}, which another cpuforge run is building"):
-            if self.lookup(stage, key) is not None:
+            if not rebuild and self.lookup(stage, key) is not None:
                 yield None
                 return
-            if partial.exists() and not resumable:
+            if partial.exists() and (rebuild or not resumable):
                 shutil.rmtree(partial)
             partial.mkdir(exist_ok=True)
             yield partial
@@ -105,7 +108,10 @@ class StageStore:
             update={"output_dir": str(final), "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         )
         atomic_write_text(partial / RECORD_FILE, record.model_dump_json(indent=2))
-        if final.exists():  # an older, unreadable attempt: replace it
-            shutil.rmtree(final)
+        replaced = final.with_name(final.name + ".replaced")
+        if final.exists():  # a rebuild, or an older unreadable attempt: kept aside until the new one is in place
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
         os.replace(partial, final)
+        shutil.rmtree(replaced, ignore_errors=True)
         return record

@@ -21,27 +21,19 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from models.fileio import atomic_write_json
 from tasks.config import Config, DataConfig, TokenizerConfig
-from tasks.corpus import Corpus, load_corpus, source_fingerprint
+from tasks.corpus import Corpus, load_corpus, stage_extra_key
 from tasks.errors import DataError
 from tasks.progress import progress_bar
 from tasks.publish import finish_stage
 from tasks.parallel_encode import choose_runner, encode_split_in_parallel
-from tasks.stage import SERVICE_RETRIES, StageContext, StageOutput, StageSpec, run_stage
+from tasks import stages
+from tasks.stage import SERVICE_RETRIES, StageContext, StageOutput, run_stage
 
 log = logging.getLogger("cpuforge.tokenize")
 
-SPEC = StageSpec(name="tokenize", version="1", sections=("data", "tokenizer"), module=__name__)
+SPEC = stages.TOKENIZE
 META_FORMAT = 1
 ENCODE_BATCH_BYTES = 4 * 2**20  # big enough for the Rust side to use every core, small enough to stream
-
-
-def stage_extra_key(cfg: Config) -> dict[str, str | None]:
-    """What besides the config determines the output: the source's content and a given tokenizer file."""
-    tok_hash = None
-    if cfg.tokenizer.path:
-        tok_path = Path(cfg.tokenizer.path).expanduser()
-        tok_hash = hashlib.sha256(tok_path.read_bytes()).hexdigest() if tok_path.is_file() else "missing"
-    return {"source": source_fingerprint(cfg.data), "tokenizer_file": tok_hash}
 
 
 # --- documents ------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ def prefect_task_states(flow_run_id: str) -> dict[str, str]:
     return {run.name.rsplit("-", 1)[0]: run.state.name for run in runs}
 
 
-def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_server):
+def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_server, capsys):
     workdir = tmp_path / "work"
     code, first = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}")
     assert code == 0
@@ -112,6 +112,21 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
     assert second["registry"]["version"] == "1" and second["registry"]["decision"] == "kept champion"
     assert second["registry"]["reason"] == "this model is already the champion"
 
+    # `cpuforge plan` says so before running: what would be reused, what built, and why.
+    def plan(*args: str) -> dict[str, dict]:
+        capsys.readouterr()
+        assert main(["plan", "--profile", "tiny", "--workdir", str(workdir), "--json",
+                     "--set", f"data.source={text_corpus}", *args]) == 0
+        return {row["stage"]: row for row in json.loads(capsys.readouterr().out)}
+
+    assert {name: row["folder"] for name, row in plan().items()} == {
+        name: entry["output_dir"] for name, entry in second["stages"].items()}
+    assert {row["action"] for row in plan().values()} == {"reuse"}
+    planned = plan("--set", "prune.keep_ratio=0.6")
+    assert [planned[n]["action"] for n in stages] == ["reuse"] * 2 + ["build"] * 5
+    assert planned["prune"]["reasons"] == ["prune.keep_ratio: 0.5 -> 0.6"]
+    assert planned["recover"]["reasons"] == ["input prune changes"]
+
     # A later stage's settings leave earlier stages cached; a stage's own settings re-run it and what follows.
     code, later = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}", "--set", "prune.keep_ratio=0.6")
     assert code == 0 and [later["stages"][n]["status"] for n in stages] == ["cached"] * 2 + ["completed"] * 5
@@ -121,6 +136,13 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
     assert (gate["decision"] == "promoted") == (gate["candidate_val_bpb"] < gate["champion_val_bpb"])
     assert gate["champion_version"] == ("2" if gate["decision"] == "promoted" else "1")
     assert str(client.get_model_version_by_alias("cpuforge-lm", "candidate").version) == "2"
+    assert {n: later["stages"][n]["output_dir"] for n in stages} == {n: planned[n]["folder"] for n in stages}
+
+    # --rebuild builds a stage and those after it again, in the same folders (same keys).
+    code, rebuilt = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}", "--set", "prune.keep_ratio=0.6",
+                            "--rebuild", "quantize")
+    assert code == 0 and [rebuilt["stages"][n]["status"] for n in stages] == ["cached"] * 5 + ["completed"] * 2
+    assert rebuilt["stages"]["quantize"]["output_dir"] == later["stages"]["quantize"]["output_dir"]
 
     # What the weekly deployment runs: continue from the champion. The champion already learned from
     # this very data, so the run starts where the champion's pretraining started and reuses everything.

@@ -1,0 +1,125 @@
+"""`cpuforge plan`: what a run would reuse and what it would build, and why, without running anything.
+
+Every stage's key is computed exactly as the run computes it (tasks/stage.py key_parts/key_of)
+from the registry's declarations. A stage whose folder exists is reused; for one that would be
+built, the reason comes from comparing its key parts with those of the newest output of that stage
+in the store: which setting, input, data or code changed, or that there is none yet.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tasks import stages
+from tasks.config import Config
+from tasks.corpus import stage_extra_key
+from tasks.stage import StageSpec, key_of, key_parts
+from tasks.store import RECORD_FILE, StageRecord, StageStore
+
+MAX_SETTINGS_SHOWN = 4
+
+
+@dataclass
+class PlanRow:
+    stage: str
+    action: str  # "reuse" | "build"
+    key: str
+    folder: str = ""  # the folder reused, or the one the build will write
+    reasons: list[str] = field(default_factory=list)
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: value}
+
+
+def _newest_record(store: StageStore, stage: str) -> StageRecord | None:
+    newest = None
+    for path in store.root.glob(f"{stage}-*/{RECORD_FILE}"):
+        if path.parent.name.endswith((".partial", ".replaced")):
+            continue
+        try:
+            record = StageRecord.model_validate_json(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if newest is None or record.created_at > newest.created_at:
+            newest = record
+    return newest
+
+
+def why_build(store: StageStore, spec: StageSpec, parts: dict[str, Any], changed_inputs: list[str]) -> list[str]:
+    """What differs from the newest output of this stage in the store."""
+    previous = _newest_record(store, spec.name)
+    if previous is None:
+        return ["no output of this stage yet"]
+    old = previous.key_parts
+    if not old:
+        return [f"its newest output ({Path(previous.output_dir).name}) was made by an older cpuforge that did not "
+                "record what its key was made of"]
+    reasons = []
+    if old.get("version") != parts["version"]:
+        reasons.append(f"stage version {old.get('version')} -> {parts['version']}")
+    before, after = _flatten(old.get("config", {})), _flatten(parts["config"])
+    settings = [f"{k}: {json.dumps(before.get(k))} -> {json.dumps(after.get(k))}"
+                for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k)]
+    if len(settings) > MAX_SETTINGS_SHOWN:
+        settings = settings[:MAX_SETTINGS_SHOWN] + [f"and {len(settings) - MAX_SETTINGS_SHOWN} more settings"]
+    reasons += settings
+    reasons += [f"input {name} changes" for name in changed_inputs]
+    reasons += [f"input {name} differs from the newest output's" for name, key in parts["inputs"].items()
+                if name not in changed_inputs and old.get("inputs", {}).get(name) != key]
+    if old.get("extra") != parts["extra"]:
+        what = {"tokenize": "the data source's files (or the given tokenizer) changed",
+                "pretrain": "the weights train.init_from names changed"}.get(spec.name, "its extra inputs changed")
+        reasons.append(what)
+    old_code, new_code = old.get("code", {}), parts["code"]
+    edited = sorted(m for m in set(old_code) | set(new_code) if old_code.get(m) != new_code.get(m))
+    if edited:
+        reasons.append("code changed: " + ", ".join(m.replace(".", "/") + ".py" for m in edited))
+    return reasons or ["its newest output was made from other inputs"]
+
+
+def extra_key(spec: StageSpec, cfg: Config) -> tuple[Any, str | None]:
+    """(the stage's extra key, or a note when it is only known once the run starts)."""
+    if spec.name == "tokenize":
+        return stage_extra_key(cfg), None
+    if spec.name == "pretrain" and cfg.train.init_from:
+        return None, (f"train.init_from={cfg.train.init_from} is resolved when the run starts: it is reused only "
+                      "if those weights are the ones its output was trained from")
+    return None, None
+
+
+def plan(cfg: Config, workdir: Path, rebuild: frozenset[str] = frozenset(),
+         order: tuple[StageSpec, ...] = stages.PIPELINE) -> list[PlanRow]:
+    store = StageStore(workdir)
+    keys: dict[str, str] = {}
+    building: set[str] = set()
+    rows = []
+    for spec in order:
+        extra, note = extra_key(spec, cfg)
+        parts = key_parts(spec, cfg, {name: keys[name] for name in spec.needs}, extra)
+        key = keys[spec.name] = key_of(spec, parts)
+        folder = store.final_dir(spec.name, key)
+        found = store.lookup(spec.name, key)
+        if found is not None and spec.name not in rebuild and note is None:
+            rows.append(PlanRow(spec.name, "reuse", key, str(folder)))
+            continue
+        building.add(spec.name)
+        if spec.name in rebuild:
+            reasons = ["--rebuild"]
+        else:
+            reasons = ([note] if note else []) + why_build(store, spec, parts,
+                                                           [n for n in spec.needs if n in building])
+        rows.append(PlanRow(spec.name, "build", key, str(folder), reasons))
+    return rows
+
+
+def as_json(rows: list[PlanRow]) -> str:
+    return json.dumps([asdict(row) for row in rows], indent=2)

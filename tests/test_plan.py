@@ -1,0 +1,108 @@
+"""The stage registry and what it keys: every setting re-keys exactly the stages that declare its
+section and the stages after them, and `cpuforge plan` says which and why without running."""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from tasks import stages
+from tasks.config import SECTIONS, load_config
+from tasks.plan import plan
+from tasks.stage import NOT_IN_KEY
+
+ORDER = stages.names()
+
+
+def downstream(names: set[str]) -> set[str]:
+    """The stages given and every stage whose inputs lead back to one of them."""
+    found = set(names)
+    for spec in stages.PIPELINE:
+        if found & set(spec.needs):
+            found.add(spec.name)
+    return found
+
+
+def candidates(value, annotation):
+    """A few other values of this type to try (the first the section accepts is used)."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Literal:
+        return [a for a in args if a != value]
+    if value is None:
+        inner = next((a for a in args if a is not type(None)), str)
+        if typing.get_origin(inner) is typing.Annotated:  # e.g. NonBlank = Annotated[str, ...]
+            inner = typing.get_args(inner)[0]
+        return {int: [7, 100], float: [0.5, 3.0]}.get(inner, ["x"])
+    if isinstance(value, bool):
+        return [not value]
+    if isinstance(value, int):
+        return [value + 1, value * 2, value - 1, 1, 2]
+    if isinstance(value, float):
+        return [value * 0.5, value * 2, 0.3, value + 1]
+    if isinstance(value, tuple):
+        return [tuple(v * 0.9 for v in value)]
+    if isinstance(value, list):
+        return [value[:1] if len(value) > 1 else [*value, *value]]
+    if isinstance(value, str):
+        return [value + "x"]
+    return []
+
+
+def keys(cfg, workdir: Path) -> dict[str, str]:
+    return {row.stage: row.key for row in plan(cfg, workdir)}
+
+
+def test_every_setting_rekeys_the_stages_that_declare_it_and_those_after_them(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("some text\n" * 50)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "b.txt").write_text("other text\n" * 50)
+    base = load_config("tiny", overrides=[f"data.source={corpus}"])
+    base_keys = keys(base, tmp_path / "work")
+    tried = 0
+    for section_name, section_type in SECTIONS.items():
+        section = getattr(base, section_name)
+        for field_name, info in section_type.model_fields.items():
+            value = getattr(section, field_name)
+            options = [str(other)] if (section_name, field_name) == ("data", "source") else candidates(value, info.annotation)
+            changed_cfg = None
+            for option in options:
+                try:
+                    new_section = section_type.model_validate({**section.model_dump(), field_name: option})
+                except ValidationError:
+                    continue
+                changed_cfg = base.model_copy(update={section_name: new_section})
+                break
+            if changed_cfg is None:
+                continue
+            if (section_name, field_name) == ("tokenizer", "path"):
+                continue  # names a file whose hash is the key: covered in test_tokenize
+            tried += 1
+            new_keys = keys(changed_cfg, tmp_path / "work")
+            rekeyed = {s for s in ORDER if new_keys[s] != base_keys[s]}
+            declared = {spec.name for spec in stages.PIPELINE if section_name in spec.sections}
+            expected = set() if field_name in NOT_IN_KEY.get(section_name, ()) else downstream(declared)
+            assert rekeyed == expected, f"{section_name}.{field_name}: {sorted(rekeyed)} != {sorted(expected)}"
+    assert tried >= 70, tried  # nearly every setting was changed and checked
+
+
+def test_the_stage_modules_take_their_declarations_from_the_registry():
+    from tasks import adopt, evaluate, export, pretrain, prune, quantize, recover, tokenize
+
+    modules = (tokenize, pretrain, adopt, prune, recover, export, quantize, evaluate)
+    assert {m.SPEC.name: m.SPEC for m in modules} == stages.BY_NAME
+    assert all(m.__name__ == m.SPEC.module for m in modules)
+    for spec in stages.PIPELINE:  # every input comes from a stage before it
+        assert set(spec.needs) <= set(ORDER[:ORDER.index(spec.name)])
+
+
+def test_rebuild_names_a_stage_and_everything_after_it():
+    assert stages.from_stage("recover") == {"recover", "export", "quantize", "evaluate"}
+    assert stages.from_stage("adopt", stages.COMPRESS) == set(stages.names(stages.COMPRESS)[1:])
+    with pytest.raises(ValueError, match="unknown stage 'pretrian'"):
+        stages.from_stage("pretrian")
