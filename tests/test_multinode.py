@@ -33,7 +33,7 @@ from tasks.errors import ConfigError
 from tasks.rendezvous import torchrun_command
 from tasks.tokenize import tokenize
 from tasks.training_run import run_training
-from tests.conftest import make_text
+from tests.test_pretrain import shards  # noqa: F401  (the shared fixture: tokenized tiny shards)
 
 pytestmark = pytest.mark.slow
 
@@ -76,19 +76,6 @@ def nodes():
     finally:
         for name in created:  # deleting a namespace deletes its end of the veth pair, and so the pair
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("shards")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for i in range(40):
-        (corpus / f"{i}.txt").write_text(make_text(i, 80))
-    out = root / "tok"
-    out.mkdir()
-    tokenize(load_config("tiny", overrides=[f"data.source={corpus}", "data.max_docs=null"]), out, root / "cache")
-    return out
 
 
 def in_netns(node: Node, *python_args: str, log: Path) -> subprocess.Popen:
