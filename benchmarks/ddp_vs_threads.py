@@ -15,9 +15,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from tasks.config import load_config
-from tasks.hardware import available_cores
-from tasks.tokenize import tokenize
+from cpuforge.tasks.config import load_config
+from cpuforge.tasks.hardware import available_cores
+from cpuforge.tasks.tokenize import tokenize
 
 from launch_training import train_standalone  # benchmarks/ sibling
 

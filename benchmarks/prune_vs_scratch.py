@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
-from models.checkpoint import load_model
-from models.llama import Llama, flops_per_token, param_count
-from tasks.config import load_config
-from tasks.data import open_shards, token_byte_lengths, val_batches
-from tasks.hardware import available_cores
-from tasks.training_run import settings
-from tasks.trainer import evaluate, train
+from cpuforge.models.checkpoint import load_model
+from cpuforge.models.llama import Llama, flops_per_token, param_count
+from cpuforge.tasks.config import load_config
+from cpuforge.tasks.data import open_shards, token_byte_lengths, val_batches
+from cpuforge.tasks.hardware import available_cores
+from cpuforge.tasks.training_run import settings
+from cpuforge.tasks.trainer import evaluate, train
 
 
 def main() -> None:

@@ -22,10 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from models.config import SIZES
-from tasks.config import load_config
-from tasks.hardware import available_cores
-from tasks.tokenize import tokenize
+from cpuforge.models.config import SIZES
+from cpuforge.tasks.config import load_config
+from cpuforge.tasks.hardware import available_cores
+from cpuforge.tasks.tokenize import tokenize
 
 from launch_training import train_standalone  # benchmarks/ sibling
 
@@ -35,7 +35,7 @@ BUDGET_GIB = 24
 
 def baseline_rss_mb() -> float:
     """Peak RSS of a process that imported the training code but built no model."""
-    code = "import torch, tasks.training_run; from tasks.hardware import peak_rss_mb; print(peak_rss_mb())"
+    code = "import torch, tasks.training_run; from cpuforge.tasks.hardware import peak_rss_mb; print(peak_rss_mb())"
     return float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
 
 
@@ -65,8 +65,8 @@ def main() -> None:
         (root / "tok").mkdir()
         tokenize(load_config("demo"), root / "tok", root / "cache")
         vocab = json.loads((root / "tok" / "meta.json").read_text())["vocab_size"]
-        from models.config import LlamaConfig
-        from models.llama import config_param_count
+        from cpuforge.models.config import LlamaConfig
+        from cpuforge.models.llama import config_param_count
 
         params = config_param_count(LlamaConfig(vocab_size=vocab, block_size=args.block, **dims))
         cases = {

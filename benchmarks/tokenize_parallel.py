@@ -18,14 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from flows.cli import apply_prefect_defaults
+from cpuforge.flows.cli import apply_prefect_defaults
 
 apply_prefect_defaults()
 
-from tasks.config import load_config  # noqa: E402
-from tasks.corpus import load_corpus  # noqa: E402
-from tasks.parallel_encode import encode_pieces, split_into_pieces, task_runner  # noqa: E402
-from tasks.tokenize import chunk_documents, encode_to_shard, shard_dtype, train_tokenizer  # noqa: E402
+from cpuforge.tasks.config import load_config  # noqa: E402
+from cpuforge.tasks.corpus import load_corpus  # noqa: E402
+from cpuforge.tasks.parallel_encode import encode_pieces, split_into_pieces, task_runner  # noqa: E402
+from cpuforge.tasks.tokenize import chunk_documents, encode_to_shard, shard_dtype, train_tokenizer  # noqa: E402
 
 
 def main() -> None:

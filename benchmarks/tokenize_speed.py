@@ -15,9 +15,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from tasks.config import load_config
-from tasks.corpus import load_corpus
-from tasks.tokenize import chunk_documents, encode_to_shard, shard_dtype, train_tokenizer
+from cpuforge.tasks.config import load_config
+from cpuforge.tasks.corpus import load_corpus
+from cpuforge.tasks.tokenize import chunk_documents, encode_to_shard, shard_dtype, train_tokenizer
 
 
 def main() -> None:

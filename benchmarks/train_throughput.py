@@ -21,10 +21,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from models.config import LlamaConfig
-from models.llama import Llama, flops_per_token, param_count
-from tasks.config import load_config
-from tasks.hardware import available_cores, choose_precision, measure_matmul_peak, peak_size
+from cpuforge.models.config import LlamaConfig
+from cpuforge.models.llama import Llama, flops_per_token, param_count
+from cpuforge.tasks.config import load_config
+from cpuforge.tasks.hardware import available_cores, choose_precision, measure_matmul_peak, peak_size
 
 
 def hf_model(cfg: LlamaConfig):

@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 from torch.nn.utils import prune
 
-from models.checkpoint import load_model
-from models.llama import Llama
-from tasks.config import load_config
-from tasks.data import open_shards, token_byte_lengths, val_batches
-from tasks.hardware import available_cores
-from tasks.trainer import evaluate
+from cpuforge.models.checkpoint import load_model
+from cpuforge.models.llama import Llama
+from cpuforge.tasks.config import load_config
+from cpuforge.tasks.data import open_shards, token_byte_lengths, val_batches
+from cpuforge.tasks.hardware import available_cores
+from cpuforge.tasks.trainer import evaluate
 
 
 def weight_matrices(model: Llama) -> list[tuple[torch.nn.Module, str]]:

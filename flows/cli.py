@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tasks.errors import UserError
+from cpuforge.tasks.errors import UserError
 
 # Prefect's ephemeral local API needs ~20 s to start on a busy 2-core machine (its default
 # timeout), and its analytics service spews "database is locked" tracebacks there.
@@ -128,8 +128,8 @@ def _generate(args: argparse.Namespace) -> int:
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise UserError(f"--temperature {args.temperature}: must be 0 (greedy) or a positive number")
     _check_utf8("--prompt", args.prompt)
-    from models.runtime import check_prompt
-    from tasks.registry import open_model
+    from cpuforge.models.runtime import check_prompt
+    from cpuforge.tasks.registry import open_model
 
     lm = open_model(args.model, _model_tracking_uri(args))
     try:
@@ -175,8 +175,8 @@ def _evaluate(args: argparse.Namespace) -> int:
         raise UserError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
         raise UserError(f"--text {path}: cannot read it ({exc.strerror})") from None
-    from tasks.registry import open_model
-    from tasks.scoring import score_text
+    from cpuforge.tasks.registry import open_model
+    from cpuforge.tasks.scoring import score_text
 
     lm = open_model(args.model, _model_tracking_uri(args))
     score = score_text(lm, text)
@@ -191,7 +191,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _show_config(args: argparse.Namespace) -> int:
-    from tasks.config import load_config
+    from cpuforge.tasks.config import load_config
 
     print(load_config(args.profile, args.config, args.overrides).to_yaml(), end="")
     return 0
@@ -202,14 +202,14 @@ def _run(args: argparse.Namespace) -> int:
     _rebuild_set(args.rebuild)
     cfg = _checked_config(args)
     _check_prune_target(cfg)
-    from flows.pipeline import pipeline
+    from cpuforge.flows.pipeline import pipeline
 
     return _run_flow(pipeline, profile=cfg.profile, config_file=args.config or "", overrides=args.overrides,
                      workdir=workdir, summary_path=args.summary or "", rebuild=args.rebuild)
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from tasks import plan as planning
+    from cpuforge.tasks import plan as planning
 
     cfg = _checked_config(args)
     workdir = Path(args.workdir).expanduser().resolve()
@@ -227,7 +227,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _rebuild_set(rebuild: str, order=None) -> frozenset[str]:
     """Check `--rebuild` up front: a stage name that does not exist fails now, in one line."""
-    from tasks import stages
+    from cpuforge.tasks import stages
 
     if not rebuild:
         return frozenset()
@@ -238,20 +238,20 @@ def _rebuild_set(rebuild: str, order=None) -> frozenset[str]:
 
 
 def _compress(args: argparse.Namespace) -> int:
-    from tasks import stages
+    from cpuforge.tasks import stages
 
     workdir = _checked_outputs(args)
     _rebuild_set(args.rebuild, stages.COMPRESS)
     cfg = _checked_config(args)  # the prune target is checked once the model's shape is known
-    from flows.compress import compress
+    from cpuforge.flows.compress import compress
 
     return _run_flow(compress, pretrained=args.pretrained, profile=cfg.profile, config_file=args.config or "",
                      overrides=args.overrides, workdir=workdir, summary_path=args.summary or "", rebuild=args.rebuild)
 
 
 def _checked_config(args: argparse.Namespace):
-    from tasks.config import load_config
-    from tasks.corpus import stage_extra_key
+    from cpuforge.tasks.config import load_config
+    from cpuforge.tasks.corpus import stage_extra_key
 
     cfg = load_config(args.profile, args.config, args.overrides)
     stage_extra_key(cfg)  # resolves the data source: a wrong path fails here, before any work
@@ -302,7 +302,7 @@ _reaper = None
 def _run_flow(flow_fn, **params: Any) -> int:
     global _reaper
     if _reaper is None:  # whatever ends this process, what it started (Prefect's API server...) ends too
-        from flows import reaper
+        from cpuforge.flows import reaper
 
         _reaper = reaper.start()
     _quiet_user_error_tracebacks()
@@ -325,8 +325,8 @@ def _run_flow(flow_fn, **params: Any) -> int:
 
 def _check_prune_target(cfg) -> None:
     """Reject an impossible pruning target now, estimating the vocabulary by tokenizer.vocab_size."""
-    from tasks.training_run import model_config
-    from tasks.prune import target_config
+    from cpuforge.tasks.training_run import model_config
+    from cpuforge.tasks.prune import target_config
 
     target_config(model_config(cfg, cfg.tokenizer.vocab_size), cfg.prune)
 

@@ -8,14 +8,14 @@ from typing import Any
 
 from prefect import flow
 
-from flows.pipeline import compression_half
-from flows.session import (
+from cpuforge.flows.pipeline import compression_half
+from cpuforge.flows.session import (
     DEFAULT_WORKDIR, Profile, PruneStrategy, flow_config, flow_session, rebuild_set, run_stage_task,
 )
-from tasks import stages
-from tasks.adopt import adopt_task
-from tasks.lineage import CHAMPION, find_source_task
-from tasks.tokenize import tokenize_task
+from cpuforge.tasks import stages
+from cpuforge.tasks.adopt import adopt_task
+from cpuforge.tasks.lineage import CHAMPION, find_source_task
+from cpuforge.tasks.tokenize import tokenize_task
 
 
 @flow(name="cpuforge-compress", log_prints=True)

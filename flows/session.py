@@ -13,14 +13,14 @@ from typing import Any, Literal
 
 from prefect.runtime import flow_run
 
-from tasks import confinement, tracking
-from tasks.config import Config, load_config
-from tasks.lineage import PretrainedSource, with_source
-from tasks import stages
-from tasks.errors import ConfigError
-from tasks.stage import StageContext, StageSpec
-from tasks.store import StageRecord
-from tasks.summary import add_stage, new_summary, write_summary
+from cpuforge.tasks import confinement, tracking
+from cpuforge.tasks.config import Config, load_config
+from cpuforge.tasks.lineage import PretrainedSource, with_source
+from cpuforge.tasks import stages
+from cpuforge.tasks.errors import ConfigError
+from cpuforge.tasks.stage import StageContext, StageSpec
+from cpuforge.tasks.store import StageRecord
+from cpuforge.tasks.summary import add_stage, new_summary, write_summary
 
 log = logging.getLogger("cpuforge.flow")
 

@@ -20,9 +20,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from models.config import LlamaConfig, ModelConfigError
-from models.fileio import atomic_write_json, fsync_dir, sha256_file
-from models.llama import Llama
+from cpuforge.models.config import LlamaConfig, ModelConfigError
+from cpuforge.models.fileio import atomic_write_json, fsync_dir, sha256_file
+from cpuforge.models.llama import Llama
 
 log = logging.getLogger("cpuforge.checkpoint")
 

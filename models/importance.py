@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from models.llama import Llama, RMSNorm
+from cpuforge.models.llama import Llama, RMSNorm
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch
 from onnx import helper, numpy_helper
 from torch import nn
 
-from models.llama import Llama
+from cpuforge.models.llama import Llama
 
 META_CONFIG = "cpuforge.config"
 META_TOKENIZER = "cpuforge.tokenizer"

@@ -11,8 +11,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from models.config import LlamaConfig, ModelConfigError
-from models.llama import Llama
+from cpuforge.models.config import LlamaConfig, ModelConfigError
+from cpuforge.models.llama import Llama
 
 
 @dataclass

@@ -18,10 +18,10 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from models.checkpoint import CONFIG, WEIGHTS, CheckpointError, load_model
-from models.config import LlamaConfig, ModelConfigError
-from models.llama import Llama, config_param_count
-from models.onnx_export import META_CONFIG, META_EOD, META_TOKENIZER, empty_past, input_names, output_names
+from cpuforge.models.checkpoint import CONFIG, WEIGHTS, CheckpointError, load_model
+from cpuforge.models.config import LlamaConfig, ModelConfigError
+from cpuforge.models.llama import Llama, config_param_count
+from cpuforge.models.onnx_export import META_CONFIG, META_EOD, META_TOKENIZER, empty_past, input_names, output_names
 
 TOKENIZER = "tokenizer.json"
 # Preferred when a folder holds several ONNX files: the deployable one first.

@@ -16,17 +16,17 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
-from models.checkpoint import load_model
-from models.llama import config_param_count
-from tasks.config import Config
-from tasks.data import open_shards, token_byte_lengths, unigram_bpb, val_batches
-from tasks.errors import ModelError
-from tasks.lineage import MODEL_FILES, PretrainedSource
-from tasks.publish import finish_stage
-from tasks import stages
-from tasks.stage import StageContext, StageOutput, run_stage
-from tasks.store import StageRecord
-from tasks.trainer import evaluate
+from cpuforge.models.checkpoint import load_model
+from cpuforge.models.llama import config_param_count
+from cpuforge.tasks.config import Config
+from cpuforge.tasks.data import open_shards, token_byte_lengths, unigram_bpb, val_batches
+from cpuforge.tasks.errors import ModelError
+from cpuforge.tasks.lineage import MODEL_FILES, PretrainedSource
+from cpuforge.tasks.publish import finish_stage
+from cpuforge.tasks import stages
+from cpuforge.tasks.stage import StageContext, StageOutput, run_stage
+from cpuforge.tasks.store import StageRecord
+from cpuforge.tasks.trainer import evaluate
 
 SPEC = stages.ADOPT
 

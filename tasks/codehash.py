@@ -13,15 +13,16 @@ import functools
 import hashlib
 from pathlib import Path
 
-PROJECT_PACKAGES = ("flows", "tasks", "models")
-
-
+NAMESPACE = "cpuforge"
+PROJECT_PACKAGES = ("flows", "tasks", "models")  # installed as cpuforge.flows, cpuforge.tasks, cpuforge.models
 ROOT = Path(__file__).resolve().parents[1]  # the folder holding flows/, tasks/, models/
 
 
 def _source_file(module: str) -> Path | None:
     """The module's source file under the project root, found without importing anything."""
-    base = ROOT.joinpath(*module.split("."))
+    if not _is_project(module):
+        return None
+    base = ROOT.joinpath(*module.split(".")[1:])
     for path in (base.with_suffix(".py"), base / "__init__.py"):
         if path.is_file():
             return path
@@ -29,7 +30,8 @@ def _source_file(module: str) -> Path | None:
 
 
 def _is_project(name: str) -> bool:
-    return name.split(".")[0] in PROJECT_PACKAGES
+    parts = name.split(".")
+    return len(parts) > 1 and parts[0] == NAMESPACE and parts[1] in PROJECT_PACKAGES
 
 
 @functools.cache
@@ -49,7 +51,7 @@ def _imports(module: str) -> frozenset[str]:
             if node.level:
                 parts = package.split(".")
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-            for alias in node.names:  # `from tasks import tracking` names a module, `from tasks.x import f` does not
+            for alias in node.names:  # `from cpuforge.tasks import tracking` names a module, `from cpuforge.tasks.x import f` does not
                 candidate = f"{base}.{alias.name}"
                 found.add(candidate if _is_project(candidate) and _source_file(candidate) else base)
     return frozenset(name for name in found if _is_project(name) and _source_file(name))

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks.config import Config, DataConfig
-from tasks.errors import DataError
+from cpuforge.tasks.config import Config, DataConfig
+from cpuforge.tasks.errors import DataError
 
 log = logging.getLogger("cpuforge.corpus")
 

@@ -12,7 +12,7 @@ import sys
 
 import torch.distributed as dist
 
-from tasks.training_run import run_training
+from cpuforge.tasks.training_run import run_training
 
 
 def main(spec_path: str) -> None:

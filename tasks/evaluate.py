@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import tempfile
@@ -31,15 +30,15 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 from prefect.states import State
 
-from models.fileio import atomic_write_json, atomic_write_text
-from tasks import tracking
-from tasks.config import Config
-from tasks.hardware import available_cores
-from tasks.publish import finish_stage
-from tasks.reports import SAMPLE_SEED
-from tasks import stages
-from tasks.stage import StageContext, StageOutput, run_stage
-from tasks.store import StageRecord
+from cpuforge.models.fileio import atomic_write_json, atomic_write_text
+from cpuforge.tasks import tracking
+from cpuforge.tasks.config import Config
+from cpuforge.tasks.hardware import available_cores
+from cpuforge.tasks.publish import finish_stage
+from cpuforge.tasks.reports import SAMPLE_SEED
+from cpuforge.tasks import stages
+from cpuforge.tasks.stage import StageContext, StageOutput, run_stage
+from cpuforge.tasks.store import StageRecord
 
 log = logging.getLogger("cpuforge.evaluate")
 
@@ -60,18 +59,11 @@ def _measure_in_fresh_process(name: str, **kwargs: Any) -> Any:
     with tempfile.TemporaryDirectory(prefix="cpuforge-measure-") as tmp:
         args, result = Path(tmp) / "args.json", Path(tmp) / "result.json"
         args.write_text(json.dumps(kwargs))
-        proc = subprocess.run([sys.executable, "-m", "tasks.measure", str(args), str(result)],
-                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": _import_root()})
+        proc = subprocess.run([sys.executable, "-m", "cpuforge.tasks.measure", str(args), str(result)],
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"measuring variant {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
         return json.loads(result.read_text())
-
-
-def _import_root() -> str:
-    """This checkout first on the child's path, whether cpuforge is installed or run from the source tree."""
-    root = str(Path(__file__).resolve().parents[1])
-    rest = os.environ.get("PYTHONPATH")
-    return root + (os.pathsep + rest if rest else "")
 
 
 def evaluate(cfg: Config, tokenized: StageRecord, paths: dict[str, Path], out_dir: Path, run_id: str) -> StageOutput:

@@ -23,16 +23,16 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 from tokenizers import Tokenizer
 
-from models.checkpoint import load_model
-from models.onnx_export import META_EOD, META_TOKENIZER, export_decoder
-from models.runtime import TorchDecoder, generate, load_language_model
-from tasks.config import Config
-from tasks.data import open_shards, val_batches
-from tasks.errors import ModelError
-from tasks.publish import finish_stage
-from tasks import stages
-from tasks.stage import StageContext, StageOutput, run_stage
-from tasks.store import StageRecord
+from cpuforge.models.checkpoint import load_model
+from cpuforge.models.onnx_export import META_EOD, META_TOKENIZER, export_decoder
+from cpuforge.models.runtime import TorchDecoder, generate, load_language_model
+from cpuforge.tasks.config import Config
+from cpuforge.tasks.data import open_shards, val_batches
+from cpuforge.tasks.errors import ModelError
+from cpuforge.tasks.publish import finish_stage
+from cpuforge.tasks import stages
+from cpuforge.tasks.stage import StageContext, StageOutput, run_stage
+from cpuforge.tasks.store import StageRecord
 
 log = logging.getLogger("cpuforge.export")
 

@@ -85,7 +85,7 @@ def time_training_steps(model_cfg, batch: int, threads: int, dtypes: tuple[torch
     machine noise hits every dtype alike. With a teacher its forward pass is part of the step."""
     import torch.nn.functional as F
 
-    from models.llama import Llama
+    from cpuforge.models.llama import Llama
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -166,7 +166,7 @@ def choose_precision(requested: str, model_cfg=None, batch: int = 0, threads: in
                               f"({bf16 / fp32:.2f}x; bf16 needs >= {BF16_MIN_GAIN:g}x)"}
     log.info("precision %s: %s", decision["dtype"], decision["reason"])
     if cache is not None:
-        from models.fileio import atomic_write_json
+        from cpuforge.models.fileio import atomic_write_json
 
         atomic_write_json(cache, {**known, key: decision})
     return decision
@@ -203,7 +203,7 @@ def matmul_peak(threads: int, cache_dir: Path, dtype: torch.dtype = torch.float3
     Noise from other processes can only make a measurement low, so each call measures again
     briefly and the cache keeps the maximum: MFU is never flattered by a slow first reading.
     """
-    from models.fileio import atomic_write_json
+    from cpuforge.models.fileio import atomic_write_json
 
     key = f"{cpu_model()}|{threads}|{dtype}|{torch.__version__}"
     cache = cache_dir / "matmul_peak.json"

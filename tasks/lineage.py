@@ -21,13 +21,13 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from models.checkpoint import CheckpointError, read_config
-from models.fileio import sha256_file
-from tasks import confinement, tracking
-from tasks.config import Config, ModelConfig
-from tasks.corpus import source_fingerprint
-from tasks.errors import ConfigError, ModelError
-from tasks.stage import NOT_IN_KEY, SERVICE_RETRIES
+from cpuforge.models.checkpoint import CheckpointError, read_config
+from cpuforge.models.fileio import sha256_file
+from cpuforge.tasks import confinement, tracking
+from cpuforge.tasks.config import Config, ModelConfig
+from cpuforge.tasks.corpus import source_fingerprint
+from cpuforge.tasks.errors import ConfigError, ModelError
+from cpuforge.tasks.stage import NOT_IN_KEY, SERVICE_RETRIES
 
 log = logging.getLogger("cpuforge.lineage")
 

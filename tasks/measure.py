@@ -12,8 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from models.fileio import atomic_write_json
-from tasks.scoring import measure_speeds, measure_variant
+from cpuforge.models.fileio import atomic_write_json
+from cpuforge.tasks.scoring import measure_speeds, measure_variant
 
 
 def main(args_path: str, result_path: str) -> None:

@@ -19,8 +19,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from tokenizers import Tokenizer
 
-from tasks.config import DataConfig
-from tasks.hardware import available_cores
+from cpuforge.tasks.config import DataConfig
+from cpuforge.tasks.hardware import available_cores
 
 log = logging.getLogger("cpuforge.tokenize")
 
@@ -40,7 +40,7 @@ def split_into_pieces(docs: list[str], piece_bytes: int) -> list[list[str]]:
 
 @task(name="encode-piece", cache_policy=NO_CACHE, retries=1)
 def encode_piece(tokenizer_json: str, docs: list[str], eod_id: int, dtype_name: str) -> np.ndarray:
-    from tasks.tokenize import encode_to_array
+    from cpuforge.tasks.tokenize import encode_to_array
 
     return encode_to_array(Tokenizer.from_str(tokenizer_json), docs, eod_id, np.dtype(dtype_name))
 

@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks import stages
-from tasks.config import Config
-from tasks.corpus import stage_extra_key
-from tasks.stage import StageSpec, key_of, key_parts
-from tasks.store import RECORD_FILE, StageRecord, StageStore
+from cpuforge.tasks import stages
+from cpuforge.tasks.config import Config
+from cpuforge.tasks.corpus import stage_extra_key
+from cpuforge.tasks.stage import StageSpec, key_of, key_parts
+from cpuforge.tasks.store import RECORD_FILE, StageRecord, StageStore
 
 MAX_SETTINGS_SHOWN = 4
 

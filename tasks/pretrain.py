@@ -17,20 +17,20 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
-from models.checkpoint import CheckpointError, latest_valid_checkpoint, read_config
-from models.config import LlamaConfig
-from models.llama import config_param_count
-from tasks import tracking
-from tasks.config import Config
-from tasks.data import open_shards, token_byte_lengths, unigram_bpb
-from tasks.errors import UserError
-from tasks.lineage import PretrainedSource
-from tasks.publish import finish_stage
-from tasks.reports import training_reports
-from tasks import stages
-from tasks.stage import TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, run_stage
-from tasks.store import StageRecord
-from tasks.training_run import (
+from cpuforge.models.checkpoint import CheckpointError, latest_valid_checkpoint, read_config
+from cpuforge.models.config import LlamaConfig
+from cpuforge.models.llama import config_param_count
+from cpuforge.tasks import tracking
+from cpuforge.tasks.config import Config
+from cpuforge.tasks.data import open_shards, token_byte_lengths, unigram_bpb
+from cpuforge.tasks.errors import UserError
+from cpuforge.tasks.lineage import PretrainedSource
+from cpuforge.tasks.publish import finish_stage
+from cpuforge.tasks.reports import training_reports
+from cpuforge.tasks import stages
+from cpuforge.tasks.stage import TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, run_stage
+from cpuforge.tasks.store import StageRecord
+from cpuforge.tasks.training_run import (
     execute, model_config, precision_metrics, precision_params, training_spec, world_size,
 )
 

@@ -23,21 +23,21 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
-from models.checkpoint import load_model, save_model
-from models.config import LlamaConfig, ModelConfigError
-from models.importance import Importance, activation_importance
-from models.llama import config_param_count, param_count
-from models.prune import check_target, choose_keep, prune
-from models.fileio import atomic_write_json, atomic_write_text
-from tasks.config import Config, PruneConfig
-from tasks.data import BatchSampler, open_shards, token_byte_lengths, val_batches
-from tasks.errors import ConfigError
-from tasks.publish import finish_stage
-from tasks.reports import samples_from_folder
-from tasks import stages
-from tasks.stage import StageContext, StageOutput, run_stage
-from tasks.store import StageRecord
-from tasks.trainer import evaluate
+from cpuforge.models.checkpoint import load_model, save_model
+from cpuforge.models.config import LlamaConfig, ModelConfigError
+from cpuforge.models.importance import Importance, activation_importance
+from cpuforge.models.llama import config_param_count, param_count
+from cpuforge.models.prune import check_target, choose_keep, prune
+from cpuforge.models.fileio import atomic_write_json, atomic_write_text
+from cpuforge.tasks.config import Config, PruneConfig
+from cpuforge.tasks.data import BatchSampler, open_shards, token_byte_lengths, val_batches
+from cpuforge.tasks.errors import ConfigError
+from cpuforge.tasks.publish import finish_stage
+from cpuforge.tasks.reports import samples_from_folder
+from cpuforge.tasks import stages
+from cpuforge.tasks.stage import StageContext, StageOutput, run_stage
+from cpuforge.tasks.store import StageRecord
+from cpuforge.tasks.trainer import evaluate
 
 log = logging.getLogger("cpuforge.prune")
 

@@ -40,19 +40,19 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
-from models.fileio import atomic_write_json, atomic_write_text
-from models.onnx_export import (
+from cpuforge.models.fileio import atomic_write_json, atomic_write_text
+from cpuforge.models.onnx_export import (
     empty_past, input_names, read_metadata, reshare_after_quantization, set_metadata, share_tied_embedding,
 )
-from models.runtime import load_language_model
-from tasks.config import Config
-from tasks.data import BatchSampler, open_shards, token_byte_lengths
-from tasks.hardware import int8_dot_product
-from tasks.publish import finish_stage
-from tasks.scoring import Samples, alternating_speeds, best, score_tokens, spread
-from tasks import stages
-from tasks.stage import StageContext, StageOutput, run_stage
-from tasks.store import StageRecord
+from cpuforge.models.runtime import load_language_model
+from cpuforge.tasks.config import Config
+from cpuforge.tasks.data import BatchSampler, open_shards, token_byte_lengths
+from cpuforge.tasks.hardware import int8_dot_product
+from cpuforge.tasks.publish import finish_stage
+from cpuforge.tasks.scoring import Samples, alternating_speeds, best, score_tokens, spread
+from cpuforge.tasks import stages
+from cpuforge.tasks.stage import StageContext, StageOutput, run_stage
+from cpuforge.tasks.store import StageRecord
 
 log = logging.getLogger("cpuforge.quantize")
 

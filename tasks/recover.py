@@ -18,18 +18,18 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
-from models.checkpoint import read_config
-from models.llama import Llama, config_param_count, flops_per_token
-from tasks import tracking
-from tasks.config import Config
-from tasks.data import open_shards
-from tasks.errors import UserError
-from tasks.publish import finish_stage
-from tasks.reports import training_reports
-from tasks import stages
-from tasks.stage import TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, run_stage
-from tasks.store import StageRecord
-from tasks.training_run import execute, precision_metrics, precision_params, training_spec, world_size
+from cpuforge.models.checkpoint import read_config
+from cpuforge.models.llama import Llama, config_param_count, flops_per_token
+from cpuforge.tasks import tracking
+from cpuforge.tasks.config import Config
+from cpuforge.tasks.data import open_shards
+from cpuforge.tasks.errors import UserError
+from cpuforge.tasks.publish import finish_stage
+from cpuforge.tasks.reports import training_reports
+from cpuforge.tasks import stages
+from cpuforge.tasks.stage import TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, run_stage
+from cpuforge.tasks.store import StageRecord
+from cpuforge.tasks.training_run import execute, precision_metrics, precision_params, training_spec, world_size
 
 log = logging.getLogger("cpuforge.recover")
 

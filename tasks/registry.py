@@ -22,14 +22,14 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
-from models.onnx_export import input_names, output_names
-from models.runtime import LanguageModel, ModelLoadError, load_language_model
-from tasks import tracking
-from tasks.data import open_shards
-from tasks.errors import DataError, ModelError
-from tasks.scoring import Score, score_text
-from tasks.stage import SERVICE_RETRIES, StageContext
-from tasks.store import StageRecord
+from cpuforge.models.onnx_export import input_names, output_names
+from cpuforge.models.runtime import LanguageModel, ModelLoadError, load_language_model
+from cpuforge.tasks import tracking
+from cpuforge.tasks.data import open_shards
+from cpuforge.tasks.errors import DataError, ModelError
+from cpuforge.tasks.scoring import Score, score_text
+from cpuforge.tasks.stage import SERVICE_RETRIES, StageContext
+from cpuforge.tasks.store import StageRecord
 
 log = logging.getLogger("cpuforge.registry")
 

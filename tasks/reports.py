@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from models.checkpoint import load_model
-from models.fileio import atomic_write_text
-from models.llama import Llama
-from models.runtime import generate
-from tasks.config import Config
+from cpuforge.models.checkpoint import load_model
+from cpuforge.models.fileio import atomic_write_text
+from cpuforge.models.llama import Llama
+from cpuforge.models.runtime import generate
+from cpuforge.tasks.config import Config
 
 SAMPLE_SEED = 1234
 

@@ -30,9 +30,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from models.checkpoint import CheckpointError, checkpoint_tmp_dir, finish_checkpoint
-from models.llama import Llama
-from tasks.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+from cpuforge.models.checkpoint import CheckpointError, checkpoint_tmp_dir, finish_checkpoint
+from cpuforge.models.llama import Llama
+from cpuforge.tasks.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 SHARDS = "shards"  # the torch.distributed.checkpoint folder inside a sharded checkpoint

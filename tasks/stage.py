@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tasks import tracking
-from tasks.codehash import code_hash, module_hashes
-from tasks.config import Config
-from tasks.errors import UserError
-from tasks.store import StageRecord, StageStore, stage_key
+from cpuforge.tasks import tracking
+from cpuforge.tasks.codehash import code_hash, module_hashes
+from cpuforge.tasks.config import Config
+from cpuforge.tasks.errors import UserError
+from cpuforge.tasks.store import StageRecord, StageStore, stage_key
 
 log = logging.getLogger("cpuforge.stage")
 

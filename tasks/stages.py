@@ -8,21 +8,21 @@ new module, one entry below, and (if it has settings) a config section.
 
 from __future__ import annotations
 
-from tasks.stage import StageSpec
+from cpuforge.tasks.stage import StageSpec
 
-TOKENIZE = StageSpec(name="tokenize", version="1", sections=("data", "tokenizer"), module="tasks.tokenize")
-PRETRAIN = StageSpec(name="pretrain", version="1", sections=("model", "train"), module="tasks.pretrain",
+TOKENIZE = StageSpec(name="tokenize", version="1", sections=("data", "tokenizer"), module="cpuforge.tasks.tokenize")
+PRETRAIN = StageSpec(name="pretrain", version="1", sections=("model", "train"), module="cpuforge.tasks.pretrain",
                      needs=("tokenize",), resumable=True)
 # The compression flow's stand-in for pretrain: an existing model copied in (its record is
 # handed on under the name "pretrain").
-ADOPT = StageSpec(name="adopt", version="1", sections=("model", "train"), module="tasks.adopt", needs=("tokenize",))
-PRUNE = StageSpec(name="prune", version="1", sections=("prune",), module="tasks.prune", needs=("tokenize", "pretrain"))
-RECOVER = StageSpec(name="recover", version="1", sections=("recover", "train"), module="tasks.recover",
+ADOPT = StageSpec(name="adopt", version="1", sections=("model", "train"), module="cpuforge.tasks.adopt", needs=("tokenize",))
+PRUNE = StageSpec(name="prune", version="1", sections=("prune",), module="cpuforge.tasks.prune", needs=("tokenize", "pretrain"))
+RECOVER = StageSpec(name="recover", version="1", sections=("recover", "train"), module="cpuforge.tasks.recover",
                     needs=("tokenize", "pretrain", "prune"), resumable=True)
-EXPORT = StageSpec(name="export", version="1", sections=("export",), module="tasks.export", needs=("tokenize", "recover"))
-QUANTIZE = StageSpec(name="quantize", version="2", sections=("quantize",), module="tasks.quantize",
+EXPORT = StageSpec(name="export", version="1", sections=("export",), module="cpuforge.tasks.export", needs=("tokenize", "recover"))
+QUANTIZE = StageSpec(name="quantize", version="2", sections=("quantize",), module="cpuforge.tasks.quantize",
                      needs=("tokenize", "export"))  # 2: the rule weighs decode
-EVALUATE = StageSpec(name="evaluate", version="2", sections=("eval",), module="tasks.evaluate",
+EVALUATE = StageSpec(name="evaluate", version="2", sections=("eval",), module="cpuforge.tasks.evaluate",
                      needs=("tokenize", "pretrain", "prune", "recover", "export", "quantize"))  # 2: speeds alternate
 
 PIPELINE: tuple[StageSpec, ...] = (TOKENIZE, PRETRAIN, PRUNE, RECOVER, EXPORT, QUANTIZE, EVALUATE)

@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from models.fileio import atomic_write_text
-from tasks.locks import hold
+from cpuforge.models.fileio import atomic_write_text
+from cpuforge.tasks.locks import hold
 
 RECORD_FILE = "record.json"
 KEY_CHARS = 16

@@ -19,15 +19,15 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from models.fileio import atomic_write_json
-from tasks.config import Config, DataConfig, TokenizerConfig
-from tasks.corpus import Corpus, load_corpus, stage_extra_key
-from tasks.errors import DataError
-from tasks.progress import progress_bar
-from tasks.publish import finish_stage
-from tasks.parallel_encode import choose_runner, encode_split_in_parallel
-from tasks import stages
-from tasks.stage import SERVICE_RETRIES, StageContext, StageOutput, run_stage
+from cpuforge.models.fileio import atomic_write_json
+from cpuforge.tasks.config import Config, DataConfig, TokenizerConfig
+from cpuforge.tasks.corpus import Corpus, load_corpus, stage_extra_key
+from cpuforge.tasks.errors import DataError
+from cpuforge.tasks.progress import progress_bar
+from cpuforge.tasks.publish import finish_stage
+from cpuforge.tasks.parallel_encode import choose_runner, encode_split_in_parallel
+from cpuforge.tasks import stages
+from cpuforge.tasks.stage import SERVICE_RETRIES, StageContext, StageOutput, run_stage
 
 log = logging.getLogger("cpuforge.tokenize")
 

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks.config import Config
-from tasks.errors import ModelError
+from cpuforge.tasks.config import Config
+from cpuforge.tasks.errors import ModelError
 
 log = logging.getLogger("cpuforge.tracking")
 

@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from models.checkpoint import (
+from cpuforge.models.checkpoint import (
     latest_valid_checkpoint, load_training_state, load_weights_into, save_training_checkpoint,
 )
-from models.llama import Llama, flops_per_token
-from tasks import sharding
-from tasks.data import BatchSampler, bits_per_byte
-from tasks.hardware import peak_rss_mb
+from cpuforge.models.llama import Llama, flops_per_token
+from cpuforge.tasks import sharding
+from cpuforge.tasks.data import BatchSampler, bits_per_byte
+from cpuforge.tasks.hardware import peak_rss_mb
 
 log = logging.getLogger("cpuforge.trainer")
 

@@ -23,20 +23,20 @@ from typing import Any
 
 import torch
 
-from models.checkpoint import load_model, read_config, save_model
-from models.config import LlamaConfig, ModelConfigError
-from models.fileio import atomic_write_json, atomic_write_text
-from models.llama import Llama, flops_per_token
-from tasks import sharding, tracking
-from tasks.config import Config
-from tasks.data import open_shards, token_byte_lengths, val_batches
-from tasks.errors import ConfigError
-from tasks.locks import training_slot
-from tasks.hardware import available_cores, choose_precision, matmul_peak
-from tasks.progress import budget_bar
-from tasks.rendezvous import torchrun_command
-from tasks.stage import StageContext
-from tasks.trainer import TrainSettings, lm_loss, train
+from cpuforge.models.checkpoint import load_model, read_config, save_model
+from cpuforge.models.config import LlamaConfig, ModelConfigError
+from cpuforge.models.fileio import atomic_write_json, atomic_write_text
+from cpuforge.models.llama import Llama, flops_per_token
+from cpuforge.tasks import sharding, tracking
+from cpuforge.tasks.config import Config
+from cpuforge.tasks.data import open_shards, token_byte_lengths, val_batches
+from cpuforge.tasks.errors import ConfigError
+from cpuforge.tasks.locks import training_slot
+from cpuforge.tasks.hardware import available_cores, choose_precision, matmul_peak
+from cpuforge.tasks.progress import budget_bar
+from cpuforge.tasks.rendezvous import torchrun_command
+from cpuforge.tasks.stage import StageContext
+from cpuforge.tasks.trainer import TrainSettings, lm_loss, train
 
 log = logging.getLogger("cpuforge.training")
 
@@ -146,7 +146,7 @@ def _build(spec: dict[str, Any], cfg: Config, vocab_size: int):
     """(model to train, loss function, settings) for the spec's kind."""
     dtype = getattr(torch, spec["dtype"])
     if spec["kind"] == "recover":
-        from tasks.recover import distillation_loss
+        from cpuforge.tasks.recover import distillation_loss
 
         student, teacher = load_model(Path(spec["student_dir"])), load_model(Path(spec["teacher_dir"]))
         r = cfg.recover

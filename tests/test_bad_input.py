@@ -16,13 +16,13 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models
 
-from flows.cli import main, terminal_safe
-from models.checkpoint import save_model
-from models.config import LlamaConfig
-from models.llama import Llama
-from models.runtime import choose_token
-from tasks.config import load_config
-from tasks.summary import new_summary, write_summary
+from cpuforge.flows.cli import main, terminal_safe
+from cpuforge.models.checkpoint import save_model
+from cpuforge.models.config import LlamaConfig
+from cpuforge.models.llama import Llama
+from cpuforge.models.runtime import choose_token
+from cpuforge.tasks.config import load_config
+from cpuforge.tasks.summary import new_summary, write_summary
 from tests.conftest import as_unprivileged
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def cli(capsys, *argv: str) -> str:
 
 def cli_subprocess(argv: list[str | bytes]) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": tempfile.mkdtemp(prefix="cpuforge-prefect-")}
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *argv], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "cpuforge.flows.cli", *argv], cwd=ROOT, env=env, capture_output=True,
                           timeout=120)
     return one_error(proc.returncode, proc.stderr.decode("utf-8", "replace"))
 

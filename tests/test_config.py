@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import available_profiles, load_config
-from tasks.errors import ConfigError
+from cpuforge.tasks.config import available_profiles, load_config
+from cpuforge.tasks.errors import ConfigError
 
 
 def test_profiles_exist_and_demo_is_default():
@@ -74,7 +74,7 @@ def test_bad_config_files(tmp_path: Path):
 
 
 def test_the_flow_forms_blank_fields_keep_the_profile_and_filled_ones_override_it():
-    from flows.session import flow_config
+    from cpuforge.flows.session import flow_config
 
     tiny = load_config("tiny")
     blank = flow_config("tiny", "", (), data_source="", pretrain_minutes=0, keep_ratio=0, prune_strategy="")

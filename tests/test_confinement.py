@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from flows.session import flow_config
-from tasks import confinement
-from tasks.errors import ConfigError
-from tasks.lineage import resolve_source
+from cpuforge.flows.session import flow_config
+from cpuforge.tasks import confinement
+from cpuforge.tasks.errors import ConfigError
+from cpuforge.tasks.lineage import resolve_source
 
 
 @pytest.fixture

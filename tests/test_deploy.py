@@ -12,18 +12,18 @@ import onnx
 import pytest
 import torch
 
-from models.checkpoint import load_model
-from models.onnx_export import META_CONFIG, read_metadata
-from models.runtime import ModelLoadError, OnnxDecoder, TorchDecoder, generate, load_language_model
-from tasks.config import load_config
-from tasks.data import open_shards, token_byte_lengths
-from tasks.errors import DataError
-from tasks.export import export
-from tasks.quantize import choose, quantize
-from tasks.registry import decide
-from tasks.scoring import Score, alternating_speeds, score_text, score_tokens
-from tasks.store import StageRecord
-from tasks.training_run import run_training
+from cpuforge.models.checkpoint import load_model
+from cpuforge.models.onnx_export import META_CONFIG, read_metadata
+from cpuforge.models.runtime import ModelLoadError, OnnxDecoder, TorchDecoder, generate, load_language_model
+from cpuforge.tasks.config import load_config
+from cpuforge.tasks.data import open_shards, token_byte_lengths
+from cpuforge.tasks.errors import DataError
+from cpuforge.tasks.export import export
+from cpuforge.tasks.quantize import choose, quantize
+from cpuforge.tasks.registry import decide
+from cpuforge.tasks.scoring import Score, alternating_speeds, score_text, score_tokens
+from cpuforge.tasks.store import StageRecord
+from cpuforge.tasks.training_run import run_training
 from tests.test_pretrain import shards, spec_for  # noqa: F401  (module fixture)
 
 

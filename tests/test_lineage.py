@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from models.checkpoint import save_model
-from models.config import LlamaConfig
-from models.llama import Llama
-from tasks import tracking
-from tasks.config import load_config
-from tasks.errors import ConfigError
-from tasks.lineage import (
+from cpuforge.models.checkpoint import save_model
+from cpuforge.models.config import LlamaConfig
+from cpuforge.models.llama import Llama
+from cpuforge.tasks import tracking
+from cpuforge.tasks.config import load_config
+from cpuforge.tasks.errors import ConfigError
+from cpuforge.tasks.lineage import (
     TAG_PRETRAIN_RUN, data_identity, resolve_init, resolve_source, with_source,
 )
 

@@ -4,12 +4,12 @@ import logging
 import pytest
 import torch
 
-from models.checkpoint import (
+from cpuforge.models.checkpoint import (
     CheckpointError, latest_valid_checkpoint, load_model, save_model, save_training_checkpoint,
 )
-from models.config import LlamaConfig, ModelConfigError
-from models.llama import Llama, flops_per_token, param_count
-from models.runtime import generate
+from cpuforge.models.config import LlamaConfig, ModelConfigError
+from cpuforge.models.llama import Llama, flops_per_token, param_count
+from cpuforge.models.runtime import generate
 
 CFG = LlamaConfig(vocab_size=97, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_mlp=64, block_size=32)
 

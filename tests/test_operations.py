@@ -13,13 +13,13 @@ import time
 from prefect import flow
 from prefect.states import Crashed, Failed
 
-from tasks import tracking
-from tasks.config import load_config
-from tasks.errors import DataError
-from tasks.locks import training_slot
-from tasks.pretrain import pretrain_task
-from tasks.stage import TRAINING_TAG, StageContext, retry_unless_user_error
-from tasks.tokenize import tokenize_task
+from cpuforge.tasks import tracking
+from cpuforge.tasks.config import load_config
+from cpuforge.tasks.errors import DataError
+from cpuforge.tasks.locks import training_slot
+from cpuforge.tasks.pretrain import pretrain_task
+from cpuforge.tasks.stage import TRAINING_TAG, StageContext, retry_unless_user_error
+from cpuforge.tasks.tokenize import tokenize_task
 from tests.conftest import make_text
 
 
@@ -41,9 +41,9 @@ def test_a_training_that_crashes_is_retried_and_resumes_from_its_last_checkpoint
     uri, experiment = tracking.setup(cfg, workdir)
     ctx = StageContext(cfg, workdir, None, uri, experiment)
 
-    import tasks.trainer
+    import cpuforge.tasks.trainer as trainer
 
-    real_save, crashes = tasks.trainer.save_training_checkpoint, []
+    real_save, crashes = trainer.save_training_checkpoint, []
 
     def save_then_crash_once(root, step, *args, **kwargs):
         real_save(root, step, *args, **kwargs)
@@ -51,7 +51,7 @@ def test_a_training_that_crashes_is_retried_and_resumes_from_its_last_checkpoint
             crashes.append(step)
             raise RuntimeError("simulated crash after the step-20 checkpoint")
 
-    monkeypatch.setattr(tasks.trainer, "save_training_checkpoint", save_then_crash_once)
+    monkeypatch.setattr(trainer, "save_training_checkpoint", save_then_crash_once)
 
     @flow
     def train_twice():
@@ -95,7 +95,7 @@ def test_two_trainings_on_one_machine_run_one_after_the_other(caplog):
 def test_a_training_killed_with_sigkill_frees_its_slot_at_once(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import sys, time
-        from tasks.locks import training_slot
+        from cpuforge.tasks.locks import training_slot
         with training_slot("pretrain (killed)"):
             print("holding", flush=True)
             time.sleep(600)

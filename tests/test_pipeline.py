@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli import main
+from cpuforge.flows.cli import main
 from tests.conftest import corpus_bytes
 
 pytestmark = pytest.mark.slow
@@ -208,7 +208,7 @@ def check_deploy_stages(summary: dict, client, workdir: Path) -> None:
     assert registry["aliases"] == ["candidate", "champion"] and registry["reason"] == "there is no champion yet"
     version = client.get_model_version_by_alias("cpuforge-lm", "champion")
     assert str(version.version) == "1" and version.tags["cpuforge.gate_decision"] == "promoted"
-    from tasks.registry import open_model
+    from cpuforge.tasks.registry import open_model
 
     champion = open_model("models:/cpuforge-lm@champion", f"sqlite:///{workdir}/mlflow.db")
     assert champion.kind == "onnx" and champion.params == by_name["onnx-int8"]["params"]
@@ -245,10 +245,15 @@ def test_bad_config_is_rejected_before_any_work(tmp_path, capsys):
 
 
 def test_console_script_on_the_embedded_corpus(tmp_path):
-    """`cpuforge run --profile tiny` exactly as a user types it, in a fresh process."""
+    """`cpuforge run --profile tiny` exactly as a user types it, in a fresh process, beside packages of
+    the user's own named `models`, `tasks` and `flows` (cpuforge's live under `cpuforge.`)."""
+    theirs = tmp_path / "their-packages"
+    for name in ("models", "tasks", "flows"):
+        (theirs / name).mkdir(parents=True)
+        (theirs / name / "__init__.py").write_text(f"raise ImportError('the user\\'s own {name} package was imported')\n")
     # In-process runs above leave MLFLOW_*_URI in os.environ (mlflow sets them); a user's shell has none.
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")} | {
-        "PREFECT_HOME": str(tmp_path / "prefect")}
+        "PREFECT_HOME": str(tmp_path / "prefect"), "PYTHONPATH": str(theirs)}
     exe = Path(sys.executable).with_name("cpuforge")
     proc = subprocess.run([str(exe), "run", "--profile", "tiny", "--summary", "s.json"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -285,7 +290,7 @@ def test_console_script_on_the_embedded_corpus(tmp_path):
 
 def test_the_cli_sets_prefect_start_up_defaults_before_prefect_reads_them():
     """A fresh machine's first run migrates Prefect's database; 20 s (Prefect's default) was too short there."""
-    code = ("import flows.cli as cli; cli.main(['config', '--profile', 'tiny']); "
+    code = ("import cpuforge.flows.cli as cli; cli.main(['config', '--profile', 'tiny']); "
             "from prefect.settings import get_current_settings; "
             "print(get_current_settings().server.ephemeral.startup_timeout_seconds)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_SERVER")}

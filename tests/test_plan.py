@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from tasks import stages
-from tasks.config import SECTIONS, load_config
-from tasks.plan import plan
-from tasks.stage import NOT_IN_KEY
+from cpuforge.tasks import stages
+from cpuforge.tasks.config import SECTIONS, load_config
+from cpuforge.tasks.plan import plan
+from cpuforge.tasks.stage import NOT_IN_KEY
 
 ORDER = stages.names()
 
@@ -92,7 +92,7 @@ def test_every_setting_rekeys_the_stages_that_declare_it_and_those_after_them(tm
 
 
 def test_the_stage_modules_take_their_declarations_from_the_registry():
-    from tasks import adopt, evaluate, export, pretrain, prune, quantize, recover, tokenize
+    from cpuforge.tasks import adopt, evaluate, export, pretrain, prune, quantize, recover, tokenize
 
     modules = (tokenize, pretrain, adopt, prune, recover, export, quantize, evaluate)
     assert {m.SPEC.name: m.SPEC for m in modules} == stages.BY_NAME

@@ -237,7 +237,7 @@ def test_a_cancelled_run_stops_training_promptly_and_keeps_a_usable_checkpoint(s
                                                                                mlflow_login):
     import mlflow
 
-    from models.checkpoint import latest_valid_checkpoint, load_training_state, read_config
+    from cpuforge.models.checkpoint import latest_valid_checkpoint, load_training_state, read_config
 
     workdir = tmp_path / "work"
     run_id = trigger(stack, "cpuforge-pipeline/tiny", {

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.store import StageRecord, StageStore, stage_key
+from cpuforge.tasks.store import StageRecord, StageStore, stage_key
 
 
 def test_key_changes_with_anything_that_determines_output():
@@ -86,9 +86,9 @@ def test_an_interrupted_attempt_is_cleared_unless_the_stage_resumes(tmp_path: Pa
 
 def test_a_setting_changes_the_config_of_only_the_stages_that_read_it():
     """Which stages a changed setting re-runs (later stages follow through their inputs' keys)."""
-    from tasks import evaluate, export, pretrain, prune, quantize, recover, tokenize
-    from tasks.config import load_config
-    from tasks.stage import stage_config
+    from cpuforge.tasks import evaluate, export, pretrain, prune, quantize, recover, tokenize
+    from cpuforge.tasks.config import load_config
+    from cpuforge.tasks.stage import stage_config
 
     specs = {m.SPEC.name: m.SPEC for m in (tokenize, pretrain, prune, recover, export, quantize, evaluate)}
     base = load_config("tiny")

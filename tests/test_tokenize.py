@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tasks.config import load_config
-from tasks.corpus import list_source_files, load_corpus, stdlib_root
-from tasks.errors import ConfigError, DataError
-from tasks.tokenize import (
+from cpuforge.tasks.config import load_config
+from cpuforge.tasks.corpus import list_source_files, load_corpus, stdlib_root
+from cpuforge.tasks.errors import ConfigError, DataError
+from cpuforge.tasks.tokenize import (
     chunk_documents, decode_shard, shard_dtype, split_documents, stage_extra_key, tokenize, train_tokenizer,
 )
 from tests.conftest import corpus_bytes, make_text
@@ -241,8 +241,8 @@ def test_encoding_in_parallel_on_a_process_pool_or_dask_writes_the_same_shards(t
 
 
 def test_encode_runner_auto_takes_one_process_where_a_pool_is_not_faster(monkeypatch):
-    import tasks.parallel_encode as parallel_encode
-    from tasks.config import DataConfig
+    import cpuforge.tasks.parallel_encode as parallel_encode
+    from cpuforge.tasks.config import DataConfig
 
     assert DataConfig().encode_runner == "auto"
     monkeypatch.setattr(parallel_encode, "available_cores", lambda: 2)

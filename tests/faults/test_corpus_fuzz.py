@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-import tasks.corpus as corpus_module
-from flows.cli import main
-from tasks.config import load_config
-from tasks.corpus import load_corpus
-from tasks.errors import DataError
-from tasks.tokenize import stage_extra_key
+import cpuforge.tasks.corpus as corpus_module
+from cpuforge.flows.cli import main
+from cpuforge.tasks.config import load_config
+from cpuforge.tasks.corpus import load_corpus
+from cpuforge.tasks.errors import DataError
+from cpuforge.tasks.tokenize import stage_extra_key
 from tests.conftest import as_unprivileged, make_text
 
 
