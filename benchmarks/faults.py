@@ -228,6 +228,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="kill -9 runs per stage")
     parser.add_argument("--only", default="kill9,sigterm,disk,mlflow,prefect,concurrent")
+    parser.add_argument("--stages", default=",".join(STAGES), help="the stages kill -9 is aimed at")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the work folders")
     parser.add_argument("--ephemeral", action="store_true",
@@ -247,7 +248,7 @@ def main() -> None:
         ref = Reference(root, prefect_home, env)
         cells: list[Cell] = []
         if "kill9" in only:
-            for stage in STAGES:
+            for stage in args.stages.split(","):
                 cell = Cell(f"kill -9 in {stage}")
                 for _ in range(args.repeats):
                     interrupt_inside(stage, signal.SIGKILL, cell, ref, root, prefect_home, env, rng)
