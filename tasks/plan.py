@@ -20,6 +20,7 @@ from cpuforge.tasks.stage import StageSpec, key_of, key_parts
 from cpuforge.tasks.store import RECORD_FILE, StageRecord, StageStore
 
 MAX_SETTINGS_SHOWN = 4
+MAX_FILES_SHOWN = 4
 
 
 @dataclass
@@ -54,6 +55,11 @@ def _newest_record(store: StageStore, stage: str) -> StageRecord | None:
     return newest
 
 
+def _source_path(module: str) -> str:
+    """cpuforge.tasks.trainer -> tasks/trainer.py (records made before the cpuforge namespace say tasks.trainer)."""
+    return module.removeprefix("cpuforge.").replace(".", "/") + ".py"
+
+
 def why_build(store: StageStore, spec: StageSpec, parts: dict[str, Any], changed_inputs: list[str]) -> list[str]:
     """What differs from the newest output of this stage in the store."""
     previous = _newest_record(store, spec.name)
@@ -80,9 +86,10 @@ def why_build(store: StageStore, spec: StageSpec, parts: dict[str, Any], changed
                 "pretrain": "the weights train.init_from names changed"}.get(spec.name, "its extra inputs changed")
         reasons.append(what)
     old_code, new_code = old.get("code", {}), parts["code"]
-    edited = sorted(m for m in set(old_code) | set(new_code) if old_code.get(m) != new_code.get(m))
+    edited = sorted({_source_path(m) for m in set(old_code) | set(new_code) if old_code.get(m) != new_code.get(m)})
     if edited:
-        reasons.append("code changed: " + ", ".join(m.replace(".", "/") + ".py" for m in edited))
+        more = len(edited) - MAX_FILES_SHOWN
+        reasons.append("code changed: " + ", ".join(edited[:MAX_FILES_SHOWN]) + (f" and {more} more files" if more > 0 else ""))
     return reasons or ["its newest output was made from other inputs"]
 
 
