@@ -19,6 +19,7 @@ from typing import Any
 
 from cpuforge.tasks.config import Config
 from cpuforge.tasks.errors import ModelError
+from cpuforge.tasks.locks import hold
 
 log = logging.getLogger("cpuforge.tracking")
 
@@ -84,13 +85,21 @@ def setup(cfg: Config, workdir: Path) -> tuple[str, str]:
     uri = tracking_uri(cfg, workdir)
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(_USER_REGISTRY_URI or uri)  # models are registered next to their runs by default
-    experiment = mlflow.get_experiment_by_name(cfg.tracking.experiment)
-    if experiment is None:
-        # With the embedded store, keep artifacts next to the database, not in the current folder.
-        location = (Path(workdir).resolve() / "mlartifacts").as_uri() if is_embedded(uri) else None
-        experiment_id = mlflow.create_experiment(cfg.tracking.experiment, artifact_location=location)
-    else:
-        experiment_id = experiment.experiment_id
+    # Two runs starting at once on a new SQLite store both ran MLflow's schema migrations and both
+    # failed ("table _alembic_tmp_metrics already exists"); both could also create the experiment.
+    # The first access to the store is where that happens: one process at a time.
+    guard = (hold(Path(uri.removeprefix("sqlite:///") + ".lock"), "setting up the MLflow store",
+                  "the MLflow store, which another cpuforge run is setting up")
+             if is_embedded(uri) else contextlib.nullcontext())
+    with guard:
+        experiment = mlflow.get_experiment_by_name(cfg.tracking.experiment)
+        if experiment is None:
+            # With the embedded store, keep artifacts next to the database, not in the current folder.
+            location = (Path(workdir).resolve() / "mlartifacts").as_uri() if is_embedded(uri) else None
+            experiment_id = mlflow.create_experiment(cfg.tracking.experiment, artifact_location=location)
+        else:
+            experiment_id = experiment.experiment_id
+        mlflow.MlflowClient().search_registered_models(max_results=1)  # the registry's tables, too
     mlflow.set_experiment(experiment_id=experiment_id)
     return uri, experiment_id
 

@@ -4,11 +4,13 @@ on one machine (and that a killed run cannot keep), and which errors are worth a
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 from prefect import flow
 from prefect.states import Crashed, Failed
@@ -106,3 +108,27 @@ def test_a_training_killed_with_sigkill_frees_its_slot_at_once(tmp_path):
     started = time.monotonic()
     with training_slot("next run"):
         assert time.monotonic() - started < 10  # no lease to wait out: the kernel dropped the lock
+
+
+def _set_up_tracking(workdir: str, barrier, results) -> None:
+    from cpuforge.tasks import tracking as tracking_module
+
+    cfg = load_config("tiny")
+    barrier.wait()  # both processes reach the new store at the same moment
+    try:
+        results.put(tracking_module.setup(cfg, Path(workdir))[1])
+    except Exception as exc:  # reported to the test, which fails on it
+        results.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_two_runs_setting_up_a_new_mlflow_store_at_once_both_succeed(tmp_path):
+    """Both used to run MLflow's schema migrations on the new SQLite file at once, and both failed."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [ctx.Process(target=_set_up_tracking, args=(str(tmp_path), barrier, results)) for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    outcomes = [results.get(timeout=300) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+    assert outcomes[0] == outcomes[1] and outcomes[0].isdigit(), outcomes  # one experiment, the same id

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 
 import pytest
 
@@ -70,9 +69,7 @@ def test_sigterm_stops_a_run_within_30_seconds_and_keeps_its_last_checkpoint(tmp
 
 def test_two_runs_on_one_work_folder_both_finish_with_the_same_outputs(tmp_path, prefect_home):
     workdir = tmp_path / "work"
-    first = start_run(workdir, prefect_home=prefect_home)
-    time.sleep(2)  # both start their own temporary Prefect API; the second catches up during tokenize
-    second = start_run(workdir, prefect_home=prefect_home)
+    first, second = (start_run(workdir, prefect_home=prefect_home, log_name=f"run-{i}.log") for i in range(2))
     assert first.wait(RUN_TIMEOUT) == 0, first.output()[-3000:]
     assert second.wait(RUN_TIMEOUT) == 0, second.output()[-3000:]
     runs = sorted((workdir / "runs").glob("*/summary.json"))
