@@ -15,11 +15,11 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from cpuforge.tasks.config import load_config
-from cpuforge.tasks.hardware import available_cores
-from cpuforge.tasks.tokenize import tokenize
-
 from launch_training import train_standalone  # benchmarks/ sibling
+
+from cpuforge.tasks.config import load_config
+from cpuforge.tasks.engine.hardware import available_cores
+from cpuforge.tasks.tokenize import tokenize
 
 WARMUP_STEPS = 5
 

@@ -25,9 +25,9 @@ import torch
 
 from cpuforge.models.runtime import load_language_model
 from cpuforge.tasks.config import load_config
-from cpuforge.tasks.data import open_shards, token_byte_lengths
-from cpuforge.tasks.hardware import available_cores, cpu_model, int8_dot_product
-from cpuforge.tasks.scoring import decode_tokens_per_s, prefill_tokens_per_s, score_tokens
+from cpuforge.tasks.engine.data import open_shards, token_byte_lengths
+from cpuforge.tasks.engine.hardware import available_cores, cpu_model, int8_dot_product
+from cpuforge.tasks.engine.scoring import decode_tokens_per_s, prefill_tokens_per_s, score_tokens
 
 GOALS = {"prefill_speedup": 4.0, "size_ratio": 6.0, "bpb_increase_pct": 10.0}
 

@@ -31,8 +31,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.faults.harness import (  # noqa: E402
-    STAGES, building, finished, kill_all, latest_summary, leftovers_after, leftovers_of_any_run, mlflow_runs, stage_keys,
-    start_run, stop, wait_until, weights_digest,
+    STAGES,
+    building,
+    finished,
+    kill_all,
+    latest_summary,
+    leftovers_after,
+    leftovers_of_any_run,
+    mlflow_runs,
+    stage_keys,
+    start_run,
+    stop,
+    wait_until,
+    weights_digest,
 )
 
 RUN_TIMEOUT = 900

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from cpuforge.tasks.config import Config
-from cpuforge.tasks.training_run import launch_torchrun
+from cpuforge.tasks.engine.training_run import launch_torchrun
 
 
 def train_standalone(cfg: Config, tokenize_dir: Path, out: Path, world: int) -> Path:
@@ -21,6 +21,6 @@ def train_standalone(cfg: Config, tokenize_dir: Path, out: Path, world: int) -> 
     if world > 1:
         launch_torchrun(cfg, out / "launch.json", "bench")
     else:
-        code = "import json,sys; from cpuforge.tasks.training_run import run_training; run_training(json.load(open(sys.argv[1])))"
+        code = "import json,sys; from cpuforge.tasks.engine.training_run import run_training; run_training(json.load(open(sys.argv[1])))"
         subprocess.run([sys.executable, "-c", code, str(out / "launch.json")], check=True)
     return out

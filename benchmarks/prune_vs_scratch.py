@@ -22,10 +22,10 @@ import torch
 from cpuforge.models.checkpoint import load_model
 from cpuforge.models.llama import Llama, flops_per_token, param_count
 from cpuforge.tasks.config import load_config
-from cpuforge.tasks.data import open_shards, token_byte_lengths, val_batches
-from cpuforge.tasks.hardware import available_cores
-from cpuforge.tasks.training_run import settings
-from cpuforge.tasks.trainer import evaluate, train
+from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
+from cpuforge.tasks.engine.hardware import available_cores
+from cpuforge.tasks.engine.trainer import evaluate, train
+from cpuforge.tasks.engine.training_run import settings
 
 
 def main() -> None:

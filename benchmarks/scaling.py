@@ -22,12 +22,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from launch_training import train_standalone  # benchmarks/ sibling
+
 from cpuforge.models.config import SIZES
 from cpuforge.tasks.config import load_config
-from cpuforge.tasks.hardware import available_cores
+from cpuforge.tasks.engine.hardware import available_cores
 from cpuforge.tasks.tokenize import tokenize
-
-from launch_training import train_standalone  # benchmarks/ sibling
 
 WARMUP_STEPS = 2
 BUDGET_GIB = 24
@@ -35,7 +35,7 @@ BUDGET_GIB = 24
 
 def baseline_rss_mb() -> float:
     """Peak RSS of a process that imported the training code but built no model."""
-    code = "import torch, tasks.training_run; from cpuforge.tasks.hardware import peak_rss_mb; print(peak_rss_mb())"
+    code = "import torch, tasks.training_run; from cpuforge.tasks.engine.hardware import peak_rss_mb; print(peak_rss_mb())"
     return float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout)
 
 

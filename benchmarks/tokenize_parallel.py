@@ -24,8 +24,9 @@ apply_prefect_defaults()
 
 from cpuforge.tasks.config import load_config  # noqa: E402
 from cpuforge.tasks.corpus import load_corpus  # noqa: E402
+from cpuforge.tasks.encoding import encode_to_shard, shard_dtype
 from cpuforge.tasks.parallel_encode import encode_pieces, split_into_pieces, task_runner  # noqa: E402
-from cpuforge.tasks.tokenize import chunk_documents, encode_to_shard, shard_dtype, train_tokenizer  # noqa: E402
+from cpuforge.tasks.tokenize import chunk_documents, train_tokenizer  # noqa: E402
 
 
 def main() -> None:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from cpuforge.tasks.config import load_config
 from cpuforge.tasks.corpus import load_corpus
-from cpuforge.tasks.tokenize import chunk_documents, encode_to_shard, shard_dtype, train_tokenizer
+from cpuforge.tasks.encoding import encode_to_shard, shard_dtype
+from cpuforge.tasks.tokenize import chunk_documents, train_tokenizer
 
 
 def main() -> None:

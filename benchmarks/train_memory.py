@@ -21,7 +21,7 @@ CHILD = r"""
 import json, os, sys, time, torch, torch.nn.functional as F
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import Llama, param_count
-from cpuforge.tasks.hardware import available_cores, peak_rss_mb
+from cpuforge.tasks.engine.hardware import available_cores, peak_rss_mb
 size, ckpt, batch, steps = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), int(sys.argv[4])
 world = int(os.environ.get("WORLD_SIZE", "1"))  # > 1 under torchrun: FSDP
 if world > 1:
@@ -32,7 +32,7 @@ model = Llama(cfg)
 params = param_count(model)
 model.activation_checkpointing = ckpt
 if world > 1:
-    from cpuforge.tasks.sharding import shard
+    from cpuforge.tasks.engine.sharding import shard
     shard(model)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)  # foreach would add a full-size temp copy
 x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size))

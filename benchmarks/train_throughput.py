@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import Llama, flops_per_token, param_count
 from cpuforge.tasks.config import load_config
-from cpuforge.tasks.hardware import available_cores, choose_precision, measure_matmul_peak, peak_size
+from cpuforge.tasks.engine.hardware import available_cores, choose_precision, measure_matmul_peak, peak_size
 
 
 def hf_model(cfg: LlamaConfig):

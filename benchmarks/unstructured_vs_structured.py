@@ -24,9 +24,9 @@ from torch.nn.utils import prune
 from cpuforge.models.checkpoint import load_model
 from cpuforge.models.llama import Llama
 from cpuforge.tasks.config import load_config
-from cpuforge.tasks.data import open_shards, token_byte_lengths, val_batches
-from cpuforge.tasks.hardware import available_cores
-from cpuforge.tasks.trainer import evaluate
+from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
+from cpuforge.tasks.engine.hardware import available_cores
+from cpuforge.tasks.engine.trainer import evaluate
 
 
 def weight_matrices(model: Llama) -> list[tuple[torch.nn.Module, str]]:

@@ -175,8 +175,8 @@ def _evaluate(args: argparse.Namespace) -> int:
         raise UserError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except OSError as exc:
         raise UserError(f"--text {path}: cannot read it ({exc.strerror})") from None
+    from cpuforge.tasks.engine.scoring import score_text
     from cpuforge.tasks.registry import open_model
-    from cpuforge.tasks.scoring import score_text
 
     lm = open_model(args.model, _model_tracking_uri(args))
     score = score_text(lm, text)
@@ -325,7 +325,7 @@ def _run_flow(flow_fn, **params: Any) -> int:
 
 def _check_prune_target(cfg) -> None:
     """Reject an impossible pruning target now, estimating the vocabulary by tokenizer.vocab_size."""
-    from cpuforge.tasks.training_run import model_config
+    from cpuforge.tasks.engine.training_run import model_config
     from cpuforge.tasks.prune import target_config
 
     target_config(model_config(cfg, cfg.tokenizer.vocab_size), cfg.prune)

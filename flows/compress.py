@@ -10,7 +10,13 @@ from prefect import flow
 
 from cpuforge.flows.pipeline import compression_half
 from cpuforge.flows.session import (
-    DEFAULT_WORKDIR, Profile, PruneStrategy, flow_config, flow_session, rebuild_set, run_stage_task,
+    DEFAULT_WORKDIR,
+    Profile,
+    PruneStrategy,
+    flow_config,
+    flow_session,
+    rebuild_set,
+    run_stage_task,
 )
 from cpuforge.tasks import stages
 from cpuforge.tasks.adopt import adopt_task

@@ -7,19 +7,25 @@ from typing import Any
 from prefect import flow
 
 from cpuforge.flows.session import (
-    DEFAULT_WORKDIR, Profile, PruneStrategy, flow_config, flow_session, rebuild_set, run_stage_task,
+    DEFAULT_WORKDIR,
+    Profile,
+    PruneStrategy,
+    flow_config,
+    flow_session,
+    rebuild_set,
+    run_stage_task,
 )
 from cpuforge.tasks import stages
 from cpuforge.tasks.evaluate import evaluate_task
 from cpuforge.tasks.export import export_task
+from cpuforge.tasks.infra.stage import StageContext
+from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.lineage import PretrainedSource, find_init_task, lineage_tags
 from cpuforge.tasks.pretrain import pretrain_task
 from cpuforge.tasks.prune import prune_task
 from cpuforge.tasks.quantize import quantize_task
 from cpuforge.tasks.recover import recover_task
 from cpuforge.tasks.registry import register_task
-from cpuforge.tasks.stage import StageContext
-from cpuforge.tasks.store import StageRecord
 from cpuforge.tasks.tokenize import tokenize_task
 
 

@@ -13,13 +13,13 @@ from typing import Any, Literal
 
 from prefect.runtime import flow_run
 
-from cpuforge.tasks import confinement, tracking
-from cpuforge.tasks.config import Config, load_config
-from cpuforge.tasks.lineage import PretrainedSource, with_source
 from cpuforge.tasks import stages
+from cpuforge.tasks.config import Config, load_config
 from cpuforge.tasks.errors import ConfigError
-from cpuforge.tasks.stage import StageContext, StageSpec
-from cpuforge.tasks.store import StageRecord
+from cpuforge.tasks.infra import confinement, tracking
+from cpuforge.tasks.infra.stage import StageContext, StageSpec
+from cpuforge.tasks.infra.store import StageRecord
+from cpuforge.tasks.lineage import PretrainedSource, with_source
 from cpuforge.tasks.summary import add_stage, new_summary, write_summary
 
 log = logging.getLogger("cpuforge.flow")
@@ -61,7 +61,7 @@ def rebuild_set(rebuild: str, order: tuple[StageSpec, ...]) -> frozenset[str]:
 
 def flow_config(profile: str, config_file: str | None, overrides: Sequence[str] | None, **form: Any) -> Config:
     """The validated config of a flow run: profile, config file, the form's fields, then the overrides.
-    On a confined worker every path it names must lie in the allowed folders (tasks/confinement.py)."""
+    On a confined worker every path it names must lie in the allowed folders (tasks/infra/confinement.py)."""
     confinement.check_config_file(config_file)
     cfg = load_config(profile, config_file or None, [*form_overrides(**form), *(overrides or ())])
     confinement.check_config(cfg)

@@ -182,7 +182,7 @@ def latest_valid_checkpoint(root: Path) -> Path | None:
 
 def load_training_state(folder: Path) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """(optimizer state, trainer state), loaded without executing any pickled code. The optimizer
-    state is None in a sharded checkpoint (it is in the shards: tasks/sharding.py)."""
+    state is None in a sharded checkpoint (it is in the shards: tasks/engine/sharding.py)."""
     try:
         optimizer = torch.load(folder / OPTIMIZER, weights_only=True) if (folder / OPTIMIZER).is_file() else None
         trainer = torch.load(folder / TRAINER, weights_only=True)

@@ -18,15 +18,15 @@ from prefect.states import State
 
 from cpuforge.models.checkpoint import load_model
 from cpuforge.models.llama import config_param_count
-from cpuforge.tasks.config import Config
-from cpuforge.tasks.data import open_shards, token_byte_lengths, unigram_bpb, val_batches
-from cpuforge.tasks.errors import ModelError
-from cpuforge.tasks.lineage import MODEL_FILES, PretrainedSource
-from cpuforge.tasks.publish import finish_stage
 from cpuforge.tasks import stages
-from cpuforge.tasks.stage import StageContext, StageOutput, run_stage
-from cpuforge.tasks.store import StageRecord
-from cpuforge.tasks.trainer import evaluate
+from cpuforge.tasks.config import Config
+from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, unigram_bpb, val_batches
+from cpuforge.tasks.engine.trainer import evaluate
+from cpuforge.tasks.errors import ModelError
+from cpuforge.tasks.infra.publish import finish_stage
+from cpuforge.tasks.infra.stage import StageContext, StageOutput, run_stage
+from cpuforge.tasks.infra.store import StageRecord
+from cpuforge.tasks.lineage import MODEL_FILES, PretrainedSource
 
 SPEC = stages.ADOPT
 

@@ -31,14 +31,14 @@ from prefect.context import TaskRunContext
 from prefect.states import State
 
 from cpuforge.models.fileio import atomic_write_json, atomic_write_text
-from cpuforge.tasks import tracking
-from cpuforge.tasks.config import Config
-from cpuforge.tasks.hardware import available_cores
-from cpuforge.tasks.publish import finish_stage
-from cpuforge.tasks.reports import SAMPLE_SEED
 from cpuforge.tasks import stages
-from cpuforge.tasks.stage import StageContext, StageOutput, run_stage
-from cpuforge.tasks.store import StageRecord
+from cpuforge.tasks.config import Config
+from cpuforge.tasks.engine.hardware import available_cores
+from cpuforge.tasks.infra import tracking
+from cpuforge.tasks.infra.publish import finish_stage
+from cpuforge.tasks.infra.stage import StageContext, StageOutput, run_stage
+from cpuforge.tasks.infra.store import StageRecord
+from cpuforge.tasks.reports import SAMPLE_SEED
 
 log = logging.getLogger("cpuforge.evaluate")
 
@@ -59,7 +59,7 @@ def _measure_in_fresh_process(name: str, **kwargs: Any) -> Any:
     with tempfile.TemporaryDirectory(prefix="cpuforge-measure-") as tmp:
         args, result = Path(tmp) / "args.json", Path(tmp) / "result.json"
         args.write_text(json.dumps(kwargs))
-        proc = subprocess.run([sys.executable, "-m", "cpuforge.tasks.measure", str(args), str(result)],
+        proc = subprocess.run([sys.executable, "-m", "cpuforge.tasks.engine.measure", str(args), str(result)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"measuring variant {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -165,7 +165,6 @@ def plot_variants(variants: list[dict[str, Any]], path: Path, batch: int) -> Non
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.ticker import ScalarFormatter
 
     fig, (size_ax, speed_ax) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)

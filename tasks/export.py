@@ -26,13 +26,13 @@ from tokenizers import Tokenizer
 from cpuforge.models.checkpoint import load_model
 from cpuforge.models.onnx_export import META_EOD, META_TOKENIZER, export_decoder
 from cpuforge.models.runtime import TorchDecoder, generate, load_language_model
-from cpuforge.tasks.config import Config
-from cpuforge.tasks.data import open_shards, val_batches
-from cpuforge.tasks.errors import ModelError
-from cpuforge.tasks.publish import finish_stage
 from cpuforge.tasks import stages
-from cpuforge.tasks.stage import StageContext, StageOutput, run_stage
-from cpuforge.tasks.store import StageRecord
+from cpuforge.tasks.config import Config
+from cpuforge.tasks.engine.data import open_shards, val_batches
+from cpuforge.tasks.errors import ModelError
+from cpuforge.tasks.infra.publish import finish_stage
+from cpuforge.tasks.infra.stage import StageContext, StageOutput, run_stage
+from cpuforge.tasks.infra.store import StageRecord
 
 log = logging.getLogger("cpuforge.export")
 

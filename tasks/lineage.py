@@ -23,11 +23,11 @@ from prefect.cache_policies import NO_CACHE
 
 from cpuforge.models.checkpoint import CheckpointError, read_config
 from cpuforge.models.fileio import sha256_file
-from cpuforge.tasks import confinement, tracking
 from cpuforge.tasks.config import Config, ModelConfig
 from cpuforge.tasks.corpus import source_fingerprint
 from cpuforge.tasks.errors import ConfigError, ModelError
-from cpuforge.tasks.stage import NOT_IN_KEY, SERVICE_RETRIES
+from cpuforge.tasks.infra import confinement, tracking
+from cpuforge.tasks.infra.stage import NOT_IN_KEY, SERVICE_RETRIES
 
 log = logging.getLogger("cpuforge.lineage")
 

@@ -20,7 +20,8 @@ from prefect.cache_policies import NO_CACHE
 from tokenizers import Tokenizer
 
 from cpuforge.tasks.config import DataConfig
-from cpuforge.tasks.hardware import available_cores
+from cpuforge.tasks.encoding import encode_to_array
+from cpuforge.tasks.engine.hardware import available_cores
 
 log = logging.getLogger("cpuforge.tokenize")
 
@@ -40,8 +41,6 @@ def split_into_pieces(docs: list[str], piece_bytes: int) -> list[list[str]]:
 
 @task(name="encode-piece", cache_policy=NO_CACHE, retries=1)
 def encode_piece(tokenizer_json: str, docs: list[str], eod_id: int, dtype_name: str) -> np.ndarray:
-    from cpuforge.tasks.tokenize import encode_to_array
-
     return encode_to_array(Tokenizer.from_str(tokenizer_json), docs, eod_id, np.dtype(dtype_name))
 
 

@@ -1,6 +1,6 @@
 """`cpuforge plan`: what a run would reuse and what it would build, and why, without running anything.
 
-Every stage's key is computed exactly as the run computes it (tasks/stage.py key_parts/key_of)
+Every stage's key is computed exactly as the run computes it (tasks/infra/stage.py key_parts/key_of)
 from the registry's declarations. A stage whose folder exists is reused; for one that would be
 built, the reason comes from comparing its key parts with those of the newest output of that stage
 in the store: which setting, input, data or code changed, or that there is none yet.
@@ -16,8 +16,8 @@ from typing import Any
 from cpuforge.tasks import stages
 from cpuforge.tasks.config import Config
 from cpuforge.tasks.corpus import stage_extra_key
-from cpuforge.tasks.stage import StageSpec, key_of, key_parts
-from cpuforge.tasks.store import RECORD_FILE, StageRecord, StageStore
+from cpuforge.tasks.infra.stage import StageSpec, key_of, key_parts
+from cpuforge.tasks.infra.store import RECORD_FILE, StageRecord, StageStore
 
 MAX_SETTINGS_SHOWN = 4
 MAX_FILES_SHOWN = 4
@@ -56,7 +56,7 @@ def _newest_record(store: StageStore, stage: str) -> StageRecord | None:
 
 
 def _source_path(module: str) -> str:
-    """cpuforge.tasks.trainer -> tasks/trainer.py (records made before the cpuforge namespace say tasks.trainer)."""
+    """cpuforge.tasks.engine.trainer -> tasks/engine/trainer.py (records made before the cpuforge namespace say tasks.trainer)."""
     return module.removeprefix("cpuforge.").replace(".", "/") + ".py"
 
 

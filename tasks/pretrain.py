@@ -4,7 +4,7 @@ Output folder: ``model/`` (safetensors + config.json + tokenizer.json, loadable 
 ``checkpoints/`` (the last two training checkpoints, for resume and for continuing),
 ``history.jsonl``, ``loss_curve.png``, ``samples.txt``, ``result.json``.
 With ``train.nproc_per_node * train.nnodes > 1`` the same training runs under torchrun
-(DDP over gloo); rank 0 logs and checkpoints (see tasks/training_run.py).
+(DDP over gloo); rank 0 logs and checkpoints (see tasks/engine/training_run.py).
 """
 
 from __future__ import annotations
@@ -20,19 +20,24 @@ from prefect.states import State
 from cpuforge.models.checkpoint import CheckpointError, latest_valid_checkpoint, read_config
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import config_param_count
-from cpuforge.tasks import tracking
-from cpuforge.tasks.config import Config
-from cpuforge.tasks.data import open_shards, token_byte_lengths, unigram_bpb
-from cpuforge.tasks.errors import UserError
-from cpuforge.tasks.lineage import PretrainedSource
-from cpuforge.tasks.publish import finish_stage
-from cpuforge.tasks.reports import training_reports
 from cpuforge.tasks import stages
-from cpuforge.tasks.stage import TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, run_stage
-from cpuforge.tasks.store import StageRecord
-from cpuforge.tasks.training_run import (
-    execute, model_config, precision_metrics, precision_params, training_spec, world_size,
+from cpuforge.tasks.config import Config
+from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, unigram_bpb
+from cpuforge.tasks.engine.training_run import (
+    execute,
+    model_config,
+    precision_metrics,
+    precision_params,
+    training_spec,
+    world_size,
 )
+from cpuforge.tasks.errors import UserError
+from cpuforge.tasks.infra import tracking
+from cpuforge.tasks.infra.publish import finish_stage
+from cpuforge.tasks.infra.stage import TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, run_stage
+from cpuforge.tasks.infra.store import StageRecord
+from cpuforge.tasks.lineage import PretrainedSource
+from cpuforge.tasks.reports import training_reports
 
 log = logging.getLogger("cpuforge.pretrain")
 

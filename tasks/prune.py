@@ -25,19 +25,19 @@ from prefect.states import State
 
 from cpuforge.models.checkpoint import load_model, save_model
 from cpuforge.models.config import LlamaConfig, ModelConfigError
+from cpuforge.models.fileio import atomic_write_json, atomic_write_text
 from cpuforge.models.importance import Importance, activation_importance
 from cpuforge.models.llama import config_param_count, param_count
 from cpuforge.models.prune import check_target, choose_keep, prune
-from cpuforge.models.fileio import atomic_write_json, atomic_write_text
-from cpuforge.tasks.config import Config, PruneConfig
-from cpuforge.tasks.data import BatchSampler, open_shards, token_byte_lengths, val_batches
-from cpuforge.tasks.errors import ConfigError
-from cpuforge.tasks.publish import finish_stage
-from cpuforge.tasks.reports import samples_from_folder
 from cpuforge.tasks import stages
-from cpuforge.tasks.stage import StageContext, StageOutput, run_stage
-from cpuforge.tasks.store import StageRecord
-from cpuforge.tasks.trainer import evaluate
+from cpuforge.tasks.config import Config, PruneConfig
+from cpuforge.tasks.engine.data import BatchSampler, open_shards, token_byte_lengths, val_batches
+from cpuforge.tasks.engine.trainer import evaluate
+from cpuforge.tasks.errors import ConfigError
+from cpuforge.tasks.infra.publish import finish_stage
+from cpuforge.tasks.infra.stage import StageContext, StageOutput, run_stage
+from cpuforge.tasks.infra.store import StageRecord
+from cpuforge.tasks.reports import samples_from_folder
 
 log = logging.getLogger("cpuforge.prune")
 

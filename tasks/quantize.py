@@ -42,17 +42,22 @@ from prefect.states import State
 
 from cpuforge.models.fileio import atomic_write_json, atomic_write_text
 from cpuforge.models.onnx_export import (
-    empty_past, input_names, read_metadata, reshare_after_quantization, set_metadata, share_tied_embedding,
+    empty_past,
+    input_names,
+    read_metadata,
+    reshare_after_quantization,
+    set_metadata,
+    share_tied_embedding,
 )
 from cpuforge.models.runtime import load_language_model
-from cpuforge.tasks.config import Config
-from cpuforge.tasks.data import BatchSampler, open_shards, token_byte_lengths
-from cpuforge.tasks.hardware import int8_dot_product
-from cpuforge.tasks.publish import finish_stage
-from cpuforge.tasks.scoring import Samples, alternating_speeds, best, score_tokens, spread
 from cpuforge.tasks import stages
-from cpuforge.tasks.stage import StageContext, StageOutput, run_stage
-from cpuforge.tasks.store import StageRecord
+from cpuforge.tasks.config import Config
+from cpuforge.tasks.engine.data import BatchSampler, open_shards, token_byte_lengths
+from cpuforge.tasks.engine.hardware import int8_dot_product
+from cpuforge.tasks.engine.scoring import Samples, alternating_speeds, best, score_tokens, spread
+from cpuforge.tasks.infra.publish import finish_stage
+from cpuforge.tasks.infra.stage import StageContext, StageOutput, run_stage
+from cpuforge.tasks.infra.store import StageRecord
 
 log = logging.getLogger("cpuforge.quantize")
 

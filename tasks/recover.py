@@ -12,45 +12,26 @@ import logging
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
 from cpuforge.models.checkpoint import read_config
-from cpuforge.models.llama import Llama, config_param_count, flops_per_token
-from cpuforge.tasks import tracking
-from cpuforge.tasks.config import Config
-from cpuforge.tasks.data import open_shards
-from cpuforge.tasks.errors import UserError
-from cpuforge.tasks.publish import finish_stage
-from cpuforge.tasks.reports import training_reports
+from cpuforge.models.llama import config_param_count, flops_per_token
 from cpuforge.tasks import stages
-from cpuforge.tasks.stage import TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, run_stage
-from cpuforge.tasks.store import StageRecord
-from cpuforge.tasks.training_run import execute, precision_metrics, precision_params, training_spec, world_size
+from cpuforge.tasks.config import Config
+from cpuforge.tasks.engine.data import open_shards
+from cpuforge.tasks.engine.training_run import execute, precision_metrics, precision_params, training_spec, world_size
+from cpuforge.tasks.errors import UserError
+from cpuforge.tasks.infra import tracking
+from cpuforge.tasks.infra.publish import finish_stage
+from cpuforge.tasks.infra.stage import TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, run_stage
+from cpuforge.tasks.infra.store import StageRecord
+from cpuforge.tasks.reports import training_reports
 
 log = logging.getLogger("cpuforge.recover")
 
 SPEC = stages.RECOVER
-
-
-def distillation_loss(teacher: Llama, temperature: float, kd_weight: float, lm_weight: float):
-    teacher.eval()
-
-    def loss(student: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
-        logits, _ = student(x)
-        with torch.no_grad():
-            teacher_logits, _ = teacher(x)
-        vocab = logits.size(-1)
-        lm = F.cross_entropy(logits.view(-1, vocab), y.reshape(-1))
-        kd = F.kl_div(F.log_softmax(logits.view(-1, vocab) / temperature, dim=-1),
-                      F.log_softmax(teacher_logits.view(-1, vocab) / temperature, dim=-1),
-                      log_target=True, reduction="batchmean") * temperature**2
-        return kd_weight * kd + lm_weight * lm, {"kd_loss": kd.item(), "lm_loss": lm.item()}
-
-    return loss
 
 
 def recover(cfg: Config, tokenized: StageRecord, pretrained: StageRecord, pruned: StageRecord,

@@ -24,12 +24,12 @@ from prefect.context import TaskRunContext
 
 from cpuforge.models.onnx_export import input_names, output_names
 from cpuforge.models.runtime import LanguageModel, ModelLoadError, load_language_model
-from cpuforge.tasks import tracking
-from cpuforge.tasks.data import open_shards
+from cpuforge.tasks.engine.data import open_shards
+from cpuforge.tasks.engine.scoring import Score, score_text
 from cpuforge.tasks.errors import DataError, ModelError
-from cpuforge.tasks.scoring import Score, score_text
-from cpuforge.tasks.stage import SERVICE_RETRIES, StageContext
-from cpuforge.tasks.store import StageRecord
+from cpuforge.tasks.infra import tracking
+from cpuforge.tasks.infra.stage import SERVICE_RETRIES, StageContext
+from cpuforge.tasks.infra.store import StageRecord
 
 log = logging.getLogger("cpuforge.registry")
 

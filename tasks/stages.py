@@ -8,7 +8,7 @@ new module, one entry below, and (if it has settings) a config section.
 
 from __future__ import annotations
 
-from cpuforge.tasks.stage import StageSpec
+from cpuforge.tasks.infra.stage import StageSpec
 
 TOKENIZE = StageSpec(name="tokenize", version="1", sections=("data", "tokenizer"), module="cpuforge.tasks.tokenize")
 PRETRAIN = StageSpec(name="pretrain", version="1", sections=("model", "train"), module="cpuforge.tasks.pretrain",

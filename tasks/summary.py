@@ -8,9 +8,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from cpuforge.tasks.config import Config
 from cpuforge.models.fileio import atomic_write_json, atomic_write_text
-from cpuforge.tasks.store import StageRecord
+from cpuforge.tasks.config import Config
+from cpuforge.tasks.infra.store import StageRecord
 
 log = logging.getLogger("cpuforge.summary")
 

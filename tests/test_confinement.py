@@ -9,8 +9,8 @@ import json
 import pytest
 
 from cpuforge.flows.session import flow_config
-from cpuforge.tasks import confinement
 from cpuforge.tasks.errors import ConfigError
+from cpuforge.tasks.infra import confinement
 from cpuforge.tasks.lineage import resolve_source
 
 

@@ -16,14 +16,14 @@ from cpuforge.models.checkpoint import load_model
 from cpuforge.models.onnx_export import META_CONFIG, read_metadata
 from cpuforge.models.runtime import ModelLoadError, OnnxDecoder, TorchDecoder, generate, load_language_model
 from cpuforge.tasks.config import load_config
-from cpuforge.tasks.data import open_shards, token_byte_lengths
+from cpuforge.tasks.engine.data import open_shards, token_byte_lengths
+from cpuforge.tasks.engine.scoring import Score, alternating_speeds, score_text, score_tokens
+from cpuforge.tasks.engine.training_run import run_training
 from cpuforge.tasks.errors import DataError
 from cpuforge.tasks.export import export
+from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.quantize import choose, quantize
 from cpuforge.tasks.registry import decide
-from cpuforge.tasks.scoring import Score, alternating_speeds, score_text, score_tokens
-from cpuforge.tasks.store import StageRecord
-from cpuforge.tasks.training_run import run_training
 from tests.test_pretrain import shards, spec_for  # noqa: F401  (module fixture)
 
 

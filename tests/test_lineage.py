@@ -9,11 +9,15 @@ import pytest
 from cpuforge.models.checkpoint import save_model
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import Llama
-from cpuforge.tasks import tracking
 from cpuforge.tasks.config import load_config
 from cpuforge.tasks.errors import ConfigError
+from cpuforge.tasks.infra import tracking
 from cpuforge.tasks.lineage import (
-    TAG_PRETRAIN_RUN, data_identity, resolve_init, resolve_source, with_source,
+    TAG_PRETRAIN_RUN,
+    data_identity,
+    resolve_init,
+    resolve_source,
+    with_source,
 )
 
 

@@ -5,7 +5,11 @@ import pytest
 import torch
 
 from cpuforge.models.checkpoint import (
-    CheckpointError, latest_valid_checkpoint, load_model, save_model, save_training_checkpoint,
+    CheckpointError,
+    latest_valid_checkpoint,
+    load_model,
+    save_model,
+    save_training_checkpoint,
 )
 from cpuforge.models.config import LlamaConfig, ModelConfigError
 from cpuforge.models.llama import Llama, flops_per_token, param_count

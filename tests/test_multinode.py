@@ -3,7 +3,7 @@
 Each namespace has its own network stack (its own loopback and one private address), so torchrun's
 c10d rendezvous, the workers' TCP store and gloo must all cross the veth link as they would cross a
 network; the work folder is shared (namespaces share the filesystem), as NFS would be. Node A runs
-the stage's own launcher (training_run.execute), node B joins with `python -m tasks.training_run
+the stage's own launcher (training_run.execute), node B joins with `python -m cpuforge.tasks.engine.training_run
 <launch.json>`, as a second machine would. Needs root (`ip netns add`); skipped where refused.
 Also: Dask tokenization against a `dask scheduler` and `dask worker`s started as separate processes.
 """
@@ -29,10 +29,10 @@ from safetensors.torch import load_file
 
 from cpuforge.models.checkpoint import load_model
 from cpuforge.tasks.config import load_config
+from cpuforge.tasks.engine.rendezvous import torchrun_command
+from cpuforge.tasks.engine.training_run import run_training
 from cpuforge.tasks.errors import ConfigError
-from cpuforge.tasks.rendezvous import torchrun_command
 from cpuforge.tasks.tokenize import tokenize
-from cpuforge.tasks.training_run import run_training
 from tests.test_pretrain import shards  # noqa: F401  (the shared fixture: tokenized tiny shards)
 
 pytestmark = pytest.mark.slow
@@ -87,10 +87,10 @@ def in_netns(node: Node, *python_args: str, log: Path) -> subprocess.Popen:
                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-START = ("-c", "import json, logging, sys; from cpuforge.tasks.config import Config; from cpuforge.tasks.training_run import execute; "
+START = ("-c", "import json, logging, sys; from cpuforge.tasks.config import Config; from cpuforge.tasks.engine.training_run import execute; "
          "logging.basicConfig(level=logging.INFO); spec = json.load(open(sys.argv[1])); "
          "execute(spec, Config.model_validate(spec['config']))")
-JOIN = ("-m", "cpuforge.tasks.training_run")  # what the docs tell a second machine to run
+JOIN = ("-m", "cpuforge.tasks.engine.training_run")  # what the docs tell a second machine to run
 
 
 def stop(*procs: subprocess.Popen) -> None:
@@ -151,7 +151,7 @@ def _kill_worker_when(node: subprocess.Popen, marker: Path) -> int:
         assert time.time() < deadline and node.poll() is None, "no checkpoint to resume from appeared"
         time.sleep(0.02)
     workers = [p for p in psutil.Process(node.pid).children(recursive=True)
-               if "cpuforge.tasks.distributed" in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
+               if "cpuforge.tasks.engine.distributed" in p.cmdline() and "torch.distributed.run" not in p.cmdline()]
     assert len(workers) == 1, workers
     workers[0].send_signal(signal.SIGKILL)
     return workers[0].pid

@@ -15,12 +15,12 @@ from pathlib import Path
 from prefect import flow
 from prefect.states import Crashed, Failed
 
-from cpuforge.tasks import tracking
 from cpuforge.tasks.config import load_config
 from cpuforge.tasks.errors import DataError
-from cpuforge.tasks.locks import training_slot
+from cpuforge.tasks.infra import tracking
+from cpuforge.tasks.infra.locks import training_slot
+from cpuforge.tasks.infra.stage import TRAINING_TAG, StageContext, retry_unless_user_error
 from cpuforge.tasks.pretrain import pretrain_task
-from cpuforge.tasks.stage import TRAINING_TAG, StageContext, retry_unless_user_error
 from cpuforge.tasks.tokenize import tokenize_task
 from tests.conftest import make_text
 
@@ -43,7 +43,7 @@ def test_a_training_that_crashes_is_retried_and_resumes_from_its_last_checkpoint
     uri, experiment = tracking.setup(cfg, workdir)
     ctx = StageContext(cfg, workdir, None, uri, experiment)
 
-    import cpuforge.tasks.trainer as trainer
+    import cpuforge.tasks.engine.trainer as trainer
 
     real_save, crashes = trainer.save_training_checkpoint, []
 
@@ -97,7 +97,7 @@ def test_two_trainings_on_one_machine_run_one_after_the_other(caplog):
 def test_a_training_killed_with_sigkill_frees_its_slot_at_once(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import sys, time
-        from cpuforge.tasks.locks import training_slot
+        from cpuforge.tasks.infra.locks import training_slot
         with training_slot("pretrain (killed)"):
             print("holding", flush=True)
             time.sleep(600)
@@ -111,7 +111,7 @@ def test_a_training_killed_with_sigkill_frees_its_slot_at_once(tmp_path):
 
 
 def _set_up_tracking(workdir: str, barrier, results) -> None:
-    from cpuforge.tasks import tracking as tracking_module
+    from cpuforge.tasks.infra import tracking as tracking_module
 
     cfg = load_config("tiny")
     barrier.wait()  # both processes reach the new store at the same moment

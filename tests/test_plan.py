@@ -11,8 +11,8 @@ from pydantic import ValidationError
 
 from cpuforge.tasks import stages
 from cpuforge.tasks.config import SECTIONS, load_config
+from cpuforge.tasks.infra.stage import NOT_IN_KEY
 from cpuforge.tasks.plan import plan
-from cpuforge.tasks.stage import NOT_IN_KEY
 
 ORDER = stages.names()
 

@@ -22,10 +22,10 @@ from cpuforge.models.checkpoint import save_training_checkpoint
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import Llama
 from cpuforge.tasks.config import load_config
-from cpuforge.tasks.data import open_shards, token_byte_lengths, unigram_bpb
+from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, unigram_bpb
+from cpuforge.tasks.engine.training_run import launch_torchrun, run_training
 from cpuforge.tasks.errors import DataError, UserError
 from cpuforge.tasks.pretrain import _check_resumable
-from cpuforge.tasks.training_run import launch_torchrun, run_training
 from cpuforge.tasks.tokenize import tokenize
 from tests.conftest import make_text
 
@@ -70,7 +70,7 @@ def test_training_learns_and_reports(shards, tmp_path):
 
 def _train_in_subprocess(spec: dict, spec_path: Path) -> subprocess.Popen:
     spec_path.write_text(json.dumps(spec))
-    code = "import json, sys; from cpuforge.tasks.training_run import run_training; run_training(json.load(open(sys.argv[1])))"
+    code = "import json, sys; from cpuforge.tasks.engine.training_run import run_training; run_training(json.load(open(sys.argv[1])))"
     return subprocess.Popen([sys.executable, "-c", code, str(spec_path)], cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -173,7 +173,7 @@ def _sharded_checkpoint(root: Path, poisoned_lr: Path | None = None) -> tuple[Pa
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     from cpuforge.models.checkpoint import checkpoint_tmp_dir, finish_checkpoint
-    from cpuforge.tasks.sharding import SHARDS, _create_optimizer_state
+    from cpuforge.tasks.engine.sharding import SHARDS, _create_optimizer_state
 
     model = Llama(LlamaConfig(vocab_size=64, n_layer=1, n_head=2, n_kv_head=1, d_model=16, d_mlp=32, block_size=8))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -189,7 +189,7 @@ def _sharded_checkpoint(root: Path, poisoned_lr: Path | None = None) -> tuple[Pa
 
 def test_fsdp_sharded_checkpoint_is_manifest_verified_and_loads_without_unpickling_code(tmp_path):
     from cpuforge.models.checkpoint import CheckpointError, latest_valid_checkpoint, verify_checkpoint
-    from cpuforge.tasks.sharding import SHARDS, load_sharded_checkpoint
+    from cpuforge.tasks.engine.sharding import SHARDS, load_sharded_checkpoint
 
     def fresh():
         model = Llama(saved.cfg)
@@ -255,7 +255,7 @@ SMALL = LlamaConfig(vocab_size=64, n_layer=1, n_head=2, n_kv_head=1, d_model=16,
 
 
 def test_mfu_divides_by_the_peak_of_the_chosen_precision(shards, tmp_path, monkeypatch):
-    import cpuforge.tasks.training_run as training_run
+    import cpuforge.tasks.engine.training_run as training_run
 
     asked = []
 
@@ -273,7 +273,7 @@ def test_mfu_divides_by_the_peak_of_the_chosen_precision(shards, tmp_path, monke
 
 
 def test_auto_precision_is_a_measured_ab_cached_per_shape(tmp_path, monkeypatch):
-    import cpuforge.tasks.hardware as hardware
+    import cpuforge.tasks.engine.hardware as hardware
 
     timed = []
 
@@ -300,7 +300,7 @@ def test_auto_precision_is_a_measured_ab_cached_per_shape(tmp_path, monkeypatch)
 
 
 def test_the_real_ab_times_both_precisions():
-    from cpuforge.tasks.hardware import time_training_steps
+    from cpuforge.tasks.engine.hardware import time_training_steps
 
     rates = time_training_steps(SMALL, 2, 1, (torch.float32, torch.bfloat16), teacher_cfg=SMALL, rounds=1)
     assert set(rates) == {torch.float32, torch.bfloat16} and all(r > 0 for r in rates.values())
@@ -310,9 +310,9 @@ def test_recover_mfu_counts_the_teachers_forward_passes(shards, tmp_path):
     from cpuforge.models.checkpoint import save_model
     from cpuforge.models.llama import flops_per_token
     from cpuforge.tasks.config import Config
-    from cpuforge.tasks.data import token_byte_lengths, val_batches
-    from cpuforge.tasks.trainer import train
-    from cpuforge.tasks.training_run import _build
+    from cpuforge.tasks.engine.data import token_byte_lengths, val_batches
+    from cpuforge.tasks.engine.trainer import train
+    from cpuforge.tasks.engine.training_run import _build
 
     s = open_shards(shards, 64)
     teacher_cfg = LlamaConfig(vocab_size=s.vocab_size, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_mlp=176, block_size=64)

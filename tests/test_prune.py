@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,13 +14,13 @@ from cpuforge.models.importance import activation_importance
 from cpuforge.models.llama import Llama, config_param_count, param_count
 from cpuforge.models.prune import Keep, choose_keep, keep_all, prune
 from cpuforge.tasks.config import load_config
-from cpuforge.tasks.data import open_shards, token_byte_lengths, val_batches
+from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
+from cpuforge.tasks.engine.trainer import evaluate, train
 from cpuforge.tasks.errors import ConfigError, UserError
+from cpuforge.tasks.infra.stage import StageContext
+from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.prune import calibration_batches, target_config
 from cpuforge.tasks.recover import recover
-from cpuforge.tasks.stage import StageContext
-from cpuforge.tasks.store import StageRecord
-from cpuforge.tasks.trainer import evaluate, train
 from tests.test_pretrain import shards, spec_for  # noqa: F401 (fixture)
 
 CFG = LlamaConfig(vocab_size=101, n_layer=4, n_head=6, n_kv_head=2, d_model=48, d_mlp=128, block_size=32)
@@ -87,7 +86,7 @@ def test_importance_beats_random_pruning_on_val_loss(shards, tmp_path):  # noqa:
     model = Llama(LlamaConfig(vocab_size=s.vocab_size, **cfg.model.model_dump()))
     lengths = token_byte_lengths(s.tokenizer_path)
     val = val_batches(s.val, 4, 8, 64)
-    from cpuforge.tasks.training_run import settings
+    from cpuforge.tasks.engine.training_run import settings
 
     train(model, s.train, val, lengths, settings(cfg, torch.float32, 0.0), tmp_path / "checkpoints")
     target = replace(model.cfg, d_mlp=88, d_model=48, head_dim_override=model.cfg.head_dim)
@@ -118,7 +117,7 @@ def test_distillation_runs_under_torchrun_with_two_processes(shards, tmp_path): 
     """Recovery uses the same engine as pretraining, DDP included: student learns from the teacher."""
     import json
 
-    from cpuforge.tasks.training_run import launch_torchrun
+    from cpuforge.tasks.engine.training_run import launch_torchrun
 
     s = open_shards(shards, 64)
     cfg = load_config("tiny", overrides=["recover.max_minutes=null", "recover.max_steps=8", "train.eval_interval=4",

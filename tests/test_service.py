@@ -91,9 +91,7 @@ def _logs(state: Path) -> str:
 def prefect_client(stack):
     """A client of the stack's Prefect API (not the test session's temporary one)."""
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from prefect.settings import PREFECT_API_AUTH_STRING
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: stack["api"], PREFECT_API_AUTH_STRING: stack["PREFECT_API_AUTH_STRING"]}), \
             get_client(sync_client=True) as client:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from cpuforge.tasks.store import StageRecord, StageStore, stage_key
+from cpuforge.tasks.infra.store import StageRecord, StageStore, stage_key
 
 
 def test_key_changes_with_anything_that_determines_output():
@@ -88,7 +88,7 @@ def test_a_setting_changes_the_config_of_only_the_stages_that_read_it():
     """Which stages a changed setting re-runs (later stages follow through their inputs' keys)."""
     from cpuforge.tasks import evaluate, export, pretrain, prune, quantize, recover, tokenize
     from cpuforge.tasks.config import load_config
-    from cpuforge.tasks.stage import stage_config
+    from cpuforge.tasks.infra.stage import stage_config
 
     specs = {m.SPEC.name: m.SPEC for m in (tokenize, pretrain, prune, recover, export, quantize, evaluate)}
     base = load_config("tiny")

@@ -10,9 +10,14 @@ import pytest
 
 from cpuforge.tasks.config import load_config
 from cpuforge.tasks.corpus import list_source_files, load_corpus, stdlib_root
+from cpuforge.tasks.encoding import decode_shard, shard_dtype
 from cpuforge.tasks.errors import ConfigError, DataError
 from cpuforge.tasks.tokenize import (
-    chunk_documents, decode_shard, shard_dtype, split_documents, stage_extra_key, tokenize, train_tokenizer,
+    chunk_documents,
+    split_documents,
+    stage_extra_key,
+    tokenize,
+    train_tokenizer,
 )
 from tests.conftest import corpus_bytes, make_text
 

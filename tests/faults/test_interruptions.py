@@ -12,7 +12,15 @@ import pytest
 
 from cpuforge.models.checkpoint import latest_valid_checkpoint
 from tests.faults.harness import (
-    checkpoints, kill_all, latest_summary, leftovers_after, mlflow_runs, record_info, stage_keys, start_run, stop,
+    checkpoints,
+    kill_all,
+    latest_summary,
+    leftovers_after,
+    mlflow_runs,
+    record_info,
+    stage_keys,
+    start_run,
+    stop,
     wait_until,
 )
 

@@ -14,16 +14,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cpuforge.tasks import tracking
-from cpuforge.tasks.codehash import code_hash, module_hashes
 from cpuforge.tasks.config import Config
 from cpuforge.tasks.errors import UserError
-from cpuforge.tasks.store import StageRecord, StageStore, stage_key
+from cpuforge.tasks.infra import tracking
+from cpuforge.tasks.infra.codehash import code_hash, module_hashes
+from cpuforge.tasks.infra.store import StageRecord, StageStore, stage_key
 
 log = logging.getLogger("cpuforge.stage")
 
 # Groups the training tasks in the UI. Trainings on one machine queue through a machine-wide file
-# lock (tasks/locks.py: a killed run cannot leave it held), not a Prefect concurrency limit.
+# lock (tasks/infra/locks.py: a killed run cannot leave it held), not a Prefect concurrency limit.
 TRAINING_TAG = "cpuforge-training"
 
 

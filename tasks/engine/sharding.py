@@ -26,13 +26,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict,
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from cpuforge.models.checkpoint import CheckpointError, checkpoint_tmp_dir, finish_checkpoint
 from cpuforge.models.llama import Llama
-from cpuforge.tasks.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+from cpuforge.tasks.engine.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 SHARDS = "shards"  # the torch.distributed.checkpoint folder inside a sharded checkpoint

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from cpuforge.models.runtime import LanguageModel, generate, load_language_model
-from cpuforge.tasks.data import bits_per_byte, open_shards, token_byte_lengths
+from cpuforge.tasks.engine.data import bits_per_byte, open_shards, token_byte_lengths
+from cpuforge.tasks.engine.hardware import peak_rss_mb
 from cpuforge.tasks.errors import DataError
-from cpuforge.tasks.hardware import peak_rss_mb
 
 
 @dataclass

@@ -26,12 +26,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cpuforge.models.checkpoint import (
-    latest_valid_checkpoint, load_training_state, load_weights_into, save_training_checkpoint,
+    latest_valid_checkpoint,
+    load_training_state,
+    load_weights_into,
+    save_training_checkpoint,
 )
 from cpuforge.models.llama import Llama, flops_per_token
-from cpuforge.tasks import sharding
-from cpuforge.tasks.data import BatchSampler, bits_per_byte
-from cpuforge.tasks.hardware import peak_rss_mb
+from cpuforge.tasks.engine import sharding
+from cpuforge.tasks.engine.data import BatchSampler, bits_per_byte
+from cpuforge.tasks.engine.hardware import peak_rss_mb
 
 log = logging.getLogger("cpuforge.trainer")
 
@@ -62,7 +65,7 @@ class TrainSettings:
     # FLOPs per trained token, for MFU; 0 means the model's own forward + backward. Distillation
     # adds its teacher's forward passes, which the step computes too.
     flops_per_token: float = 0.0
-    strategy: str = "ddp"  # with several processes: "ddp" (replicas) or "fsdp" (shards), see tasks/sharding.py
+    strategy: str = "ddp"  # with several processes: "ddp" (replicas) or "fsdp" (shards), see tasks/engine/sharding.py
 
 
 @dataclass
@@ -82,6 +85,24 @@ class TrainResult:
 def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     logits, _ = model(x)
     return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
+
+
+def distillation_loss(teacher: torch.nn.Module, temperature: float, kd_weight: float, lm_weight: float):
+    """Knowledge distillation: KL to the teacher's softened distribution plus the usual LM loss."""
+    teacher.eval()
+
+    def loss(student: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
+        logits, _ = student(x)
+        with torch.no_grad():
+            teacher_logits, _ = teacher(x)
+        vocab = logits.size(-1)
+        lm = F.cross_entropy(logits.view(-1, vocab), y.reshape(-1))
+        kd = F.kl_div(F.log_softmax(logits.view(-1, vocab) / temperature, dim=-1),
+                      F.log_softmax(teacher_logits.view(-1, vocab) / temperature, dim=-1),
+                      log_target=True, reduction="batchmean") * temperature**2
+        return kd_weight * kd + lm_weight * lm, {"kd_loss": kd.item(), "lm_loss": lm.item()}
+
+    return loss
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, world: int = 1) -> float:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 NAMESPACE = "cpuforge"
 PROJECT_PACKAGES = ("flows", "tasks", "models")  # installed as cpuforge.flows, cpuforge.tasks, cpuforge.models
-ROOT = Path(__file__).resolve().parents[1]  # the folder holding flows/, tasks/, models/
+ROOT = Path(__file__).resolve().parents[2]  # the folder holding flows/, tasks/, models/
 
 
 def _source_file(module: str) -> Path | None:

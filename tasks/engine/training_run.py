@@ -1,7 +1,7 @@
 """Running the training engine for a stage, in this process or under torchrun (DDP over gloo).
 
 A stage writes a JSON spec (paths, config, MLflow run) and calls ``execute``. With
-``train.nproc_per_node * train.nnodes > 1`` that launches ``tasks.distributed`` under torchrun,
+``train.nproc_per_node * train.nnodes > 1`` that launches ``cpuforge.tasks.engine.distributed`` under torchrun,
 and every process calls ``run_training(spec)``; otherwise this process does. ``spec["kind"]``
 says what is trained: ``pretrain`` (a fresh model, LM loss) or ``recover`` (the pruned
 student distilled from the teacher). Rank 0 logs, checkpoints and writes the outputs.
@@ -27,16 +27,17 @@ from cpuforge.models.checkpoint import load_model, read_config, save_model
 from cpuforge.models.config import LlamaConfig, ModelConfigError
 from cpuforge.models.fileio import atomic_write_json, atomic_write_text
 from cpuforge.models.llama import Llama, flops_per_token
-from cpuforge.tasks import sharding, tracking
 from cpuforge.tasks.config import Config
-from cpuforge.tasks.data import open_shards, token_byte_lengths, val_batches
+from cpuforge.tasks.engine import sharding
+from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
+from cpuforge.tasks.engine.hardware import available_cores, choose_precision, matmul_peak
+from cpuforge.tasks.engine.progress import budget_bar
+from cpuforge.tasks.engine.rendezvous import torchrun_command
+from cpuforge.tasks.engine.trainer import TrainSettings, distillation_loss, lm_loss, train
 from cpuforge.tasks.errors import ConfigError
-from cpuforge.tasks.locks import training_slot
-from cpuforge.tasks.hardware import available_cores, choose_precision, matmul_peak
-from cpuforge.tasks.progress import budget_bar
-from cpuforge.tasks.rendezvous import torchrun_command
-from cpuforge.tasks.stage import StageContext
-from cpuforge.tasks.trainer import TrainSettings, lm_loss, train
+from cpuforge.tasks.infra import tracking
+from cpuforge.tasks.infra.locks import training_slot
+from cpuforge.tasks.infra.stage import StageContext
 
 log = logging.getLogger("cpuforge.training")
 
@@ -146,8 +147,6 @@ def _build(spec: dict[str, Any], cfg: Config, vocab_size: int):
     """(model to train, loss function, settings) for the spec's kind."""
     dtype = getattr(torch, spec["dtype"])
     if spec["kind"] == "recover":
-        from cpuforge.tasks.recover import distillation_loss
-
         student, teacher = load_model(Path(spec["student_dir"])), load_model(Path(spec["teacher_dir"]))
         r = cfg.recover
         return student, distillation_loss(teacher, r.temperature, r.kd_weight, r.lm_weight), \
@@ -196,7 +195,7 @@ def run_training(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def launch_torchrun(cfg: Config, spec_path: Path, rdzv_id: str) -> None:
-    """Run tasks.distributed under torchrun; every process trains, rank 0 writes the outputs."""
+    """Run cpuforge.tasks.engine.distributed under torchrun; every process trains, rank 0 writes the outputs."""
     cmd, network = torchrun_command(cfg, spec_path, rdzv_id)
     env = {**network, **os.environ, "OMP_NUM_THREADS": str(threads_per_process(cfg))}  # a GLOO_SOCKET_IFNAME set wins
     log.info("launching: %s", " ".join(cmd))
@@ -231,6 +230,6 @@ def join(spec_path: Path) -> None:
         launch_torchrun(Config.model_validate(spec["config"]), spec_path, spec["rdzv_id"])
 
 
-if __name__ == "__main__":  # python -m tasks.training_run /shared/work/stages/<stage>-<key>.partial/launch.json
+if __name__ == "__main__":  # python -m cpuforge.tasks.engine.training_run /shared/work/stages/<stage>-<key>.partial/launch.json
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     join(Path(sys.argv[1]))

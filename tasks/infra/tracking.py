@@ -19,7 +19,7 @@ from typing import Any
 
 from cpuforge.tasks.config import Config
 from cpuforge.tasks.errors import ModelError
-from cpuforge.tasks.locks import hold
+from cpuforge.tasks.infra.locks import hold
 
 log = logging.getLogger("cpuforge.tracking")
 

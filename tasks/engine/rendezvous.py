@@ -64,7 +64,7 @@ def torchrun_command(cfg: Config, spec_path: Path, rdzv_id: str) -> tuple[list[s
     # from it ("Connection refused"), failing once more and using up another restart.
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     restarts = f"--max-restarts={t.max_restarts}"
-    entry = ["-m", "cpuforge.tasks.distributed", str(spec_path)]
+    entry = ["-m", "cpuforge.tasks.engine.distributed", str(spec_path)]
     if t.nnodes == 1:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", restarts,
                 f"--nproc_per_node={t.nproc_per_node}", *entry], env

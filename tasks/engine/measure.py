@@ -1,4 +1,4 @@
-"""`python -m tasks.measure ARGS.json RESULT.json`: measure one model variant in a process of its own
+"""`python -m cpuforge.tasks.engine.measure ARGS.json RESULT.json`: measure one model variant in a process of its own
 (or, with ``"speeds": true`` in ARGS, time every variant in alternation, see scoring.measure_speeds).
 
 A fresh interpreter (not a multiprocessing child, which would inherit the parent's sys.path,
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from cpuforge.models.fileio import atomic_write_json
-from cpuforge.tasks.scoring import measure_speeds, measure_variant
+from cpuforge.tasks.engine.scoring import measure_speeds, measure_variant
 
 
 def main(args_path: str, result_path: str) -> None:

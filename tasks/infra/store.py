@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from cpuforge.models.fileio import atomic_write_text
-from cpuforge.tasks.locks import hold
+from cpuforge.tasks.infra.locks import hold
 
 RECORD_FILE = "record.json"
 KEY_CHARS = 16
@@ -54,7 +54,7 @@ class StageRecord(BaseModel):
 def stage_key(stage: str, version: str, config: dict[str, Any], inputs: dict[str, str], extra: Any = None,
               code: str = "") -> str:
     """Hash of what determines a stage's output: its config sections, its inputs' keys, its code (the
-    hash of its source, tasks/codehash.py) and its hand-kept version."""
+    hash of its source, tasks/infra/codehash.py) and its hand-kept version."""
     payload = {"stage": stage, "version": version, "config": config, "inputs": inputs, "extra": extra, "code": code}
     canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()

@@ -1,4 +1,4 @@
-"""torchrun entry point: `python -m torch.distributed.run ... -m tasks.distributed launch.json`.
+"""torchrun entry point: `python -m torch.distributed.run ... -m cpuforge.tasks.engine.distributed launch.json`.
 
 Each process joins the gloo process group and runs the same training as a single process
 would; DDP averages gradients, rank 0 logs, checkpoints and writes the outputs.
@@ -12,7 +12,7 @@ import sys
 
 import torch.distributed as dist
 
-from cpuforge.tasks.training_run import run_training
+from cpuforge.tasks.engine.training_run import run_training
 
 
 def main(spec_path: str) -> None:

@@ -8,9 +8,9 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.context import TaskRunContext
 from prefect.states import Completed, State
 
-from cpuforge.tasks import tracking
-from cpuforge.tasks.stage import StageContext
-from cpuforge.tasks.store import StageRecord
+from cpuforge.tasks.infra import tracking
+from cpuforge.tasks.infra.stage import StageContext
+from cpuforge.tasks.infra.store import StageRecord
 
 
 def stage_markdown(record: StageRecord, mlflow_url: str | None) -> str:
