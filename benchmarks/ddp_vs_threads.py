@@ -40,7 +40,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         (root / "tok").mkdir()
-        tokenize(load_config(args.profile), root / "tok", root / "cache")
+        cfg = load_config(args.profile)
+        tokenize(cfg.data, cfg.tokenizer, root / "tok", root / "cache")
         batch = load_config(args.profile).train.batch_size
         cases = {
             f"1 process x {cores} threads": ([*base, f"train.threads={cores}"], 1),

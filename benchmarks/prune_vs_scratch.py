@@ -53,7 +53,7 @@ def main() -> None:
     torch.set_num_threads(available_cores())
     torch.manual_seed(cfg.train.seed)
     scratch = Llama(recovered.cfg)
-    s = replace(settings(cfg, torch.float32, 0.0), max_minutes=None, max_steps=None, max_tokens=scratch_tokens)
+    s = replace(settings(cfg.train, torch.float32, 0.0), max_minutes=None, max_steps=None, max_tokens=scratch_tokens)
     workdir = Path(args.workdir or Path(summary["workdir"]) / ("bench-scratch-sunk" if args.sunk_teacher else "bench-scratch"))
     print(f"student: {param_count(recovered):,} params; teacher: {param_count(teacher):,}")
     counted = "recovery only (teacher sunk)" if args.sunk_teacher else f"teacher pretraining {pre_tokens:,} tokens + recovery"

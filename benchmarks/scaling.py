@@ -63,7 +63,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         (root / "tok").mkdir()
-        tokenize(load_config("demo"), root / "tok", root / "cache")
+        demo = load_config("demo")
+        tokenize(demo.data, demo.tokenizer, root / "tok", root / "cache")
         vocab = json.loads((root / "tok" / "meta.json").read_text())["vocab_size"]
         from cpuforge.models.config import LlamaConfig
         from cpuforge.models.llama import config_param_count

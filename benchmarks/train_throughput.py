@@ -55,7 +55,7 @@ def main() -> None:
     args = parser.parse_args()
 
     run_cfg = load_config(args.profile, overrides=args.overrides)
-    cfg = LlamaConfig(vocab_size=args.vocab_size, **run_cfg.model.model_dump())
+    cfg = run_cfg.model.shape(args.vocab_size)
     B, T = run_cfg.train.batch_size, cfg.block_size
     torch.set_num_threads(args.threads)
     precision = choose_precision(args.precision, cfg, B, args.threads)  # no cache: a benchmark measures afresh

@@ -325,10 +325,9 @@ def _run_flow(flow_fn, **params: Any) -> int:
 
 def _check_prune_target(cfg) -> None:
     """Reject an impossible pruning target now, estimating the vocabulary by tokenizer.vocab_size."""
-    from cpuforge.tasks.engine.training_run import model_config
     from cpuforge.tasks.prune import target_config
 
-    target_config(model_config(cfg, cfg.tokenizer.vocab_size), cfg.prune)
+    target_config(cfg.model.shape(cfg.tokenizer.vocab_size), cfg.prune)
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

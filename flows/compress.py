@@ -8,7 +8,6 @@ from typing import Any
 
 from prefect import flow
 
-from cpuforge.flows.pipeline import compression_half
 from cpuforge.flows.session import (
     DEFAULT_WORKDIR,
     Profile,
@@ -16,12 +15,11 @@ from cpuforge.flows.session import (
     flow_config,
     flow_session,
     rebuild_set,
-    run_stage_task,
+    register_final,
+    run_stages,
 )
 from cpuforge.tasks import stages
-from cpuforge.tasks.adopt import adopt_task
 from cpuforge.tasks.lineage import CHAMPION, find_source_task
-from cpuforge.tasks.tokenize import tokenize_task
 
 
 @flow(name="cpuforge-compress", log_prints=True)
@@ -63,7 +61,6 @@ def compress(
     find = partial(find_source_task, pretrained)
     with flow_session("compress", cfg, workdir, summary_path, find_pretrained=find, adopt_shape=True,
                       rebuild=rebuild_set(rebuild, stages.COMPRESS)) as (summary, ctx, source):
-        tokenized = run_stage_task(tokenize_task, summary, ctx)
-        adopted = run_stage_task(adopt_task, summary, ctx, tokenize=tokenized, source=source)
-        compression_half(summary, ctx, tokenized, adopted, source)
-    return summary
+        records = run_stages(stages.COMPRESS, summary, ctx, source)
+        register_final(summary, ctx, records, source)
+    return summary.as_json()

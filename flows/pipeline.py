@@ -1,4 +1,5 @@
-"""The cpuforge pipeline as a Prefect flow: composition only, one line per stage."""
+"""The cpuforge pipeline as a Prefect flow: the stages of the registry (tasks/stages.py PIPELINE) in
+order, then the final model through the champion gate."""
 
 from __future__ import annotations
 
@@ -13,20 +14,11 @@ from cpuforge.flows.session import (
     flow_config,
     flow_session,
     rebuild_set,
-    run_stage_task,
+    register_final,
+    run_stages,
 )
 from cpuforge.tasks import stages
-from cpuforge.tasks.evaluate import evaluate_task
-from cpuforge.tasks.export import export_task
-from cpuforge.tasks.infra.stage import StageContext
-from cpuforge.tasks.infra.store import StageRecord
-from cpuforge.tasks.lineage import PretrainedSource, find_init_task, lineage_tags
-from cpuforge.tasks.pretrain import pretrain_task
-from cpuforge.tasks.prune import prune_task
-from cpuforge.tasks.quantize import quantize_task
-from cpuforge.tasks.recover import recover_task
-from cpuforge.tasks.registry import register_task
-from cpuforge.tasks.tokenize import tokenize_task
+from cpuforge.tasks.lineage import find_init_task
 
 
 @flow(name="cpuforge-pipeline", log_prints=True)
@@ -71,20 +63,6 @@ def pipeline(
     find = find_init_task if cfg.train.init_from else None
     with flow_session("pipeline", cfg, workdir, summary_path, find_pretrained=find,
                       rebuild=rebuild_set(rebuild, stages.PIPELINE)) as (summary, ctx, init):
-        tokenized = run_stage_task(tokenize_task, summary, ctx)
-        pretrained = run_stage_task(pretrain_task, summary, ctx, tokenize=tokenized, init=init)
-        compression_half(summary, ctx, tokenized, pretrained, init)
-    return summary
-
-
-def compression_half(summary: dict[str, Any], ctx: StageContext, tokenized: StageRecord, pretrained: StageRecord,
-                     source: PretrainedSource | None) -> None:
-    """prune -> recover -> export -> quantize -> evaluate, then register through the champion gate."""
-    pruned = run_stage_task(prune_task, summary, ctx, tokenize=tokenized, pretrain=pretrained)
-    recovered = run_stage_task(recover_task, summary, ctx, tokenize=tokenized, pretrain=pretrained, prune=pruned)
-    exported = run_stage_task(export_task, summary, ctx, tokenize=tokenized, recover=recovered)
-    quantized = run_stage_task(quantize_task, summary, ctx, tokenize=tokenized, export=exported)
-    evaluated = run_stage_task(evaluate_task, summary, ctx, tokenize=tokenized, pretrain=pretrained, prune=pruned,
-                               recover=recovered, export=exported, quantize=quantized)
-    lineage = lineage_tags(ctx.cfg, pretrained.mlflow_run_id, source)
-    summary["registry"] = register_task(ctx, tokenized, quantized, evaluated, lineage)
+        records = run_stages(stages.PIPELINE, summary, ctx, init)
+        register_final(summary, ctx, records, init)
+    return summary.as_json()

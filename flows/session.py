@@ -17,10 +17,12 @@ from cpuforge.tasks import stages
 from cpuforge.tasks.config import Config, load_config
 from cpuforge.tasks.errors import ConfigError
 from cpuforge.tasks.infra import confinement, tracking
+from cpuforge.tasks.infra.runner import stage_task
 from cpuforge.tasks.infra.stage import StageContext, StageSpec
 from cpuforge.tasks.infra.store import StageRecord
-from cpuforge.tasks.lineage import PretrainedSource, with_source
-from cpuforge.tasks.summary import add_stage, new_summary, write_summary
+from cpuforge.tasks.lineage import PretrainedSource, lineage_tags, with_source
+from cpuforge.tasks.registry import register_task
+from cpuforge.tasks.summary import RunSummary, new_summary, write_summary
 
 log = logging.getLogger("cpuforge.flow")
 
@@ -75,7 +77,7 @@ FindPretrained = Callable[[Config, Path], "PretrainedSource | None"]
 def flow_session(
     flow_name: str, cfg: Config, workdir: str, summary_path: str | None,
     find_pretrained: FindPretrained | None = None, adopt_shape: bool = False, rebuild: frozenset[str] = frozenset(),
-) -> Iterator[tuple[dict[str, Any], StageContext, PretrainedSource | None]]:
+) -> Iterator[tuple[RunSummary, StageContext, PretrainedSource | None]]:
     """Set up tracking, find the pretrained weights the run starts from (if any), open the MLflow parent
     run, and write the summary however the run ends. Yields (summary, stage context, pretrained source)."""
     if logging.getLogger("cpuforge").level == logging.NOTSET:  # a worker's run: stage logs reach the UI
@@ -84,42 +86,60 @@ def flow_session(
     root = Path(workdir).expanduser().resolve()
     run_id = flow_run.get_id() or str(uuid.uuid4())
     summary = new_summary(run_id, cfg, root)
-    summary["flow"] = flow_name
+    summary.flow = flow_name
     try:
         uri, experiment_id = tracking.setup(cfg, root)
-        summary.update(mlflow_tracking_uri=uri, mlflow_experiment_id=experiment_id)
+        summary.mlflow_tracking_uri, summary.mlflow_experiment_id = uri, experiment_id
         source = find_pretrained(cfg, root) if find_pretrained else None
         if source is not None:
             cfg = with_source(cfg, source, adopt_shape)
-        summary["pretrained_from"] = source.as_dict() if source else None
+        summary.pretrained_from = source.as_dict() if source else None
         with tracking.pipeline_run(cfg, root, run_name=flow_run.get_name() or run_id[:8],
                                    tags={"cpuforge.run_id": run_id, "cpuforge.flow": flow_name}) as parent_run_id:
-            summary["mlflow_run_id"] = parent_run_id
+            summary.mlflow_run_id = parent_run_id
             tracking.end_abandoned_runs(experiment_id, found_by=f"cpuforge run {run_id} (MLflow run {parent_run_id})")
             yield summary, StageContext(cfg, root, parent_run_id, uri, experiment_id, rebuild), source
-        summary["status"] = "completed"
+        summary.status = "completed"
     except Exception as exc:
-        summary["status"] = "failed"
-        summary["error"] = f"{type(exc).__name__}: {exc}"
+        summary.status, summary.error = "failed", f"{type(exc).__name__}: {exc}"
         raise
     except BaseException as exc:  # cancelled from the UI (TerminationSignal) or Ctrl-C
-        summary["status"] = "cancelled"
-        summary["error"] = f"{type(exc).__name__}: {exc}"
+        summary.status, summary.error = "cancelled", f"{type(exc).__name__}: {exc}"
         raise
     finally:
         write_summary(summary, cfg, summary_path)
 
 
-def run_stage_task(task_fn, summary: dict[str, Any], ctx: StageContext, **inputs: Any) -> StageRecord:
-    """Run one stage task and add its record to the summary; a failure is recorded, then re-raised."""
+def run_stages(order: tuple[StageSpec, ...], summary: RunSummary, ctx: StageContext,
+               source: PretrainedSource | None) -> dict[str, StageRecord]:
+    """Run the stages in the registry's order, each given the records of the stages it needs; returns
+    every record by the name later stages know it by (adopt's as "pretrain")."""
+    records: dict[str, StageRecord] = {}
+    for spec in order:
+        inputs = {name: records[name] for name in spec.needs}
+        extra = stages.extra_key(spec, ctx.cfg, source)
+        records[stages.record_name(spec)] = run_stage_task(spec, summary, ctx, inputs, extra, source)
+    return records
+
+
+def run_stage_task(spec: StageSpec, summary: RunSummary, ctx: StageContext, inputs: dict[str, StageRecord],
+                   extra_key: Any = None, source: PretrainedSource | None = None) -> StageRecord:
+    """Run one stage as its Prefect task and add its record to the summary; a failure is recorded, then re-raised."""
     try:
-        state = task_fn(ctx, **inputs, return_state=True)
+        state = stage_task(spec)(ctx, inputs, extra_key, source, return_state=True)
         record: StageRecord = state.result()  # re-raises the stage's exception when it failed
     except Exception as exc:
-        summary["stages"][task_fn.name] = {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+        summary.stage_failed(spec.name, "failed", exc)
         raise
     except BaseException as exc:  # cancelled: the stage stopped where it was; its last checkpoint stays
-        summary["stages"][task_fn.name] = {"status": "cancelled", "error": f"{type(exc).__name__}: {exc}"}
+        summary.stage_failed(spec.name, "cancelled", exc)
         raise
-    add_stage(summary, record)
+    summary.add_stage(record)
     return record
+
+
+def register_final(summary: RunSummary, ctx: StageContext, records: dict[str, StageRecord],
+                   source: PretrainedSource | None) -> None:
+    """Register the final model (quantize's, as evaluate measured it) through the champion gate."""
+    lineage = lineage_tags(ctx.cfg, records["pretrain"].mlflow_run_id, source)
+    summary.registry = register_task(ctx, records["tokenize"], records["quantize"], records["evaluate"], lineage)

@@ -1,8 +1,12 @@
-"""LlamaConfig: the shape of the decoder, with named sizes (LitGPT style)."""
+"""LlamaConfig: the shape of the decoder, with named sizes (LitGPT style).
+
+The one description of a model's shape: the config's `model` section (tasks/config.py) is made from
+these fields (a named size plus any field overridden), with the descriptions given here."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+import typing
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -10,26 +14,33 @@ class ModelConfigError(ValueError):
     """A model shape that cannot work."""
 
 
+def _doc(default: Any, text: str) -> Any:
+    return field(default=default, metadata={"doc": text})
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
-    vocab_size: int
-    n_layer: int = 4
-    n_head: int = 4
-    n_kv_head: int = 2
-    d_model: int = 256
-    d_mlp: int = 704
-    block_size: int = 256
-    tie_embeddings: bool = True
-    rope_theta: float = 10_000.0
-    norm_eps: float = 1e-5
-    # Width of one attention head. None: d_model // n_head. Set explicitly once embedding
-    # channels are pruned, since the heads keep their size when d_model shrinks.
-    head_dim_override: int | None = None
+    vocab_size: int = field(metadata={"doc": "Token ids (the tokenizer's, never set by hand)."})
+    n_layer: int = _doc(4, "Decoder blocks.")
+    n_head: int = _doc(4, "Query heads per block.")
+    n_kv_head: int = _doc(2, "Key/value heads (grouped-query attention).")
+    d_model: int = _doc(256, "Embedding width.")
+    d_mlp: int = _doc(704, "SwiGLU hidden width.")
+    block_size: int = _doc(256, "Context length in tokens.")
+    tie_embeddings: bool = _doc(True, "Share the token embedding and the LM head.")
+    rope_theta: float = _doc(10_000.0, "Rotary embedding base.")
+    norm_eps: float = _doc(1e-5, "RMSNorm epsilon.")
+    # Set explicitly once embedding channels are pruned, since the heads keep their size when d_model shrinks.
+    head_dim_override: int | None = _doc(None, "Width of one attention head (empty: d_model / n_head).")
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "d_mlp", "block_size"):
             if getattr(self, name) <= 0:
                 raise ModelConfigError(f"{name}={getattr(self, name)} must be positive")
+        for name in ("rope_theta", "norm_eps", "head_dim_override"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):
+                raise ModelConfigError(f"{name}={value} must be a positive number")
         if self.head_dim_override is None and self.d_model % self.n_head:
             raise ModelConfigError(f"n_head={self.n_head} does not divide d_model={self.d_model}")
         if self.n_head % self.n_kv_head:
@@ -54,9 +65,23 @@ class LlamaConfig:
 
     @classmethod
     def named(cls, name: str, vocab_size: int, **overrides: Any) -> LlamaConfig:
+        """A named size (SIZES) with some fields set otherwise."""
         if name not in SIZES:
             raise ModelConfigError(f"unknown model size {name!r}; available: {', '.join(SIZES)}")
         return cls(vocab_size=vocab_size, **{**SIZES[name], **overrides})
+
+
+@dataclass(frozen=True)
+class FieldInfo:
+    name: str
+    type_hint: Any
+    metadata: Any
+
+
+def llama_fields() -> list[FieldInfo]:
+    """LlamaConfig's fields with their resolved types (the annotations are strings here)."""
+    hints = typing.get_type_hints(LlamaConfig)
+    return [FieldInfo(f.name, hints[f.name], f.metadata) for f in fields(LlamaConfig)]
 
 
 # Named sizes. Parameter counts are for a 4096-token vocabulary with tied embeddings.

@@ -12,26 +12,26 @@ import time
 from pathlib import Path
 
 import torch
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-from prefect.states import State
 
 from cpuforge.models.checkpoint import load_model
 from cpuforge.models.llama import config_param_count
 from cpuforge.tasks import stages
-from cpuforge.tasks.config import Config
+from cpuforge.tasks.config import TrainConfig
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, unigram_bpb, val_batches
 from cpuforge.tasks.engine.trainer import evaluate
 from cpuforge.tasks.errors import ModelError
-from cpuforge.tasks.infra.publish import finish_stage
-from cpuforge.tasks.infra.stage import StageContext, StageOutput, run_stage
+from cpuforge.tasks.infra.stage import StageOutput, StageRun
 from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.lineage import MODEL_FILES, PretrainedSource
 
 SPEC = stages.ADOPT
 
 
-def adopt(cfg: Config, tokenized: StageRecord, source: PretrainedSource, out_dir: Path) -> StageOutput:
+def work(run: StageRun, train: TrainConfig) -> StageOutput:
+    return adopt(train, run.inputs["tokenize"], run.source, run.out_dir)
+
+
+def adopt(t: TrainConfig, tokenized: StageRecord, source: PretrainedSource, out_dir: Path) -> StageOutput:
     started = time.perf_counter()
     model_dir = out_dir / "model"
     model_dir.mkdir(exist_ok=True)
@@ -44,7 +44,7 @@ def adopt(cfg: Config, tokenized: StageRecord, source: PretrainedSource, out_dir
                          f"{shards.vocab_size}: the folder's tokenizer.json is not the one it was trained with")
     lengths = token_byte_lengths(shards.tokenizer_path)
     with torch.no_grad():
-        val_loss, val_bpb = evaluate(model, val_batches(shards.val, cfg.train.eval_batches, cfg.train.batch_size,
+        val_loss, val_bpb = evaluate(model, val_batches(shards.val, t.eval_batches, t.batch_size,
                                                         model.cfg.block_size), lengths)
     metrics = {
         "params": config_param_count(model.cfg), "val_loss": round(val_loss, 4), "val_bpb": round(val_bpb, 4),
@@ -53,10 +53,3 @@ def adopt(cfg: Config, tokenized: StageRecord, source: PretrainedSource, out_dir
     }
     return StageOutput(metrics=metrics, files={"model": "model", "tokenizer": "model/tokenizer.json"},
                        artifacts=["model"], info={"source": source.as_dict(), "model_config": model.cfg.to_dict()})
-
-
-@task(name="adopt", cache_policy=NO_CACHE)
-def adopt_task(ctx: StageContext, tokenize: StageRecord, source: PretrainedSource) -> State:
-    record = run_stage(SPEC, ctx, lambda out_dir, _run_id: adopt(ctx.cfg, tokenize, source, out_dir),
-                       inputs={"tokenize": tokenize}, extra_key=source.sha256)
-    return finish_stage(record, ctx)

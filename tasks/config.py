@@ -8,12 +8,14 @@ error before any work starts, never a silently ignored setting.
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
+from cpuforge.models.config import SIZES, LlamaConfig, ModelConfigError, llama_fields
 from cpuforge.tasks.errors import ConfigError
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
@@ -95,28 +97,41 @@ class TokenizerConfig(Section):
         return self
 
 
-class ModelConfig(Section):
-    n_layer: int = Field(4, gt=0, description="Decoder blocks.")
-    n_head: int = Field(4, gt=0, description="Query heads per block.")
-    n_kv_head: int = Field(2, gt=0, description="Key/value heads (grouped-query attention).")
-    d_model: int = Field(256, gt=0, description="Embedding width.")
-    d_mlp: int = Field(704, gt=0, description="SwiGLU hidden width.")
-    block_size: int = Field(256, gt=0, description="Context length in tokens.")
-    tie_embeddings: bool = Field(True, description="Share the token embedding and the LM head.")
-    rope_theta: float = Field(10_000.0, gt=0, description="Rotary embedding base.")
-    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
+class _ModelSection(Section):
+    def shape(self, vocab_size: int) -> LlamaConfig:
+        """The LlamaConfig this section describes, for a tokenizer of this many ids."""
+        return LlamaConfig(vocab_size=vocab_size, **self.model_dump(exclude={"size"}))
 
-    @model_validator(mode="after")
-    def _heads_fit(self) -> ModelConfig:
-        if self.d_model % self.n_head:
-            raise ValueError(f"model.n_head={self.n_head} does not divide model.d_model={self.d_model}")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(f"model.n_kv_head={self.n_kv_head} does not divide model.n_head={self.n_head}")
-        if (self.d_model // self.n_head) % 2:
-            raise ValueError(
-                f"head size d_model/n_head={self.d_model // self.n_head} must be even for rotary embeddings"
-            )
+
+def _model_section() -> type[_ModelSection]:
+    """The `model` section, made from LlamaConfig (the one description of a shape): a named size, and
+    any of LlamaConfig's fields set otherwise. Empty fields take the size's values once validated, so
+    `cfg.model.block_size` is always the resolved shape; LlamaConfig's own checks validate it."""
+    overridable = {
+        f.name: (f.type_hint | None, Field(None, description=f.metadata["doc"]))
+        for f in llama_fields() if f.name != "vocab_size"
+    }
+    size_names = tuple(SIZES)
+
+    def resolve(self: Section) -> Section:
+        set_fields = {name: getattr(self, name) for name in overridable if getattr(self, name) is not None}
+        try:
+            shape = LlamaConfig.named(self.size, vocab_size=BYTE_ALPHABET, **set_fields)
+        except ModelConfigError as exc:  # name the settings as they are written: model.n_head
+            raise ValueError(re.sub(rf"\b({'|'.join(overridable)})=", r"model.\1=", str(exc))) from None
+        for name in overridable:  # validate_assignment would re-run this validator: set the values directly
+            self.__dict__[name] = getattr(shape, name)
         return self
+
+    return create_model(
+        "ModelConfig", __base__=_ModelSection, __doc__="The model's shape: a named size, with any field set otherwise.",
+        __validators__={"_resolve": model_validator(mode="after")(resolve)},
+        size=(Literal[size_names], Field("demo", description=f"Named size: {', '.join(size_names)} (models/config.py)")),
+        **overridable,
+    )
+
+
+ModelConfig = _model_section()
 
 
 class TrainConfig(Section):
@@ -179,6 +194,9 @@ class PruneConfig(Section):
     d_model: int | None = Field(None, gt=0, description="Explicit target embedding width.")
     d_mlp: int | None = Field(None, gt=0, description="Explicit target MLP width.")
     calib_batches: int = Field(16, gt=0, description="Train-split batches used to score importance.")
+    batch_size: int = Field(8, gt=0, description="Sequences per calibration and validation batch.")
+    val_batches: int = Field(8, gt=0, description="Validation batches for bits per byte before and after pruning.")
+    seed: int = Field(11_344, description="Seed of the calibration batches (apart from training's data order).")
 
 
 class RecoverConfig(Section):
@@ -250,7 +268,7 @@ class Config(Section):
     profile: str = DEFAULT_PROFILE
     data: DataConfig = DataConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
-    model: ModelConfig = ModelConfig()
+    model: ModelConfig = ModelConfig()  # type: ignore[valid-type]
     train: TrainConfig = TrainConfig()
     prune: PruneConfig = PruneConfig()
     recover: RecoverConfig = RecoverConfig()

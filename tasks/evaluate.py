@@ -24,19 +24,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
-from prefect.states import State
 
 from cpuforge.models.fileio import atomic_write_json, atomic_write_text
 from cpuforge.tasks import stages
-from cpuforge.tasks.config import Config
+from cpuforge.tasks.config import EvalConfig
 from cpuforge.tasks.engine.hardware import available_cores
 from cpuforge.tasks.infra import tracking
-from cpuforge.tasks.infra.publish import finish_stage
-from cpuforge.tasks.infra.stage import StageContext, StageOutput, run_stage
+from cpuforge.tasks.infra.stage import StageOutput, StageRun
 from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.reports import SAMPLE_SEED
 
@@ -44,15 +40,20 @@ log = logging.getLogger("cpuforge.evaluate")
 
 SPEC = stages.EVALUATE
 SPEED_ROUNDS = 5
-BASELINE, FINAL = "pretrained", "onnx-int8"
+BASELINE, FINAL = stages.BASELINE_VARIANT, stages.FINAL_VARIANT
 SUMMARY_KEYS = ("variant", "format", "params", "file_bytes", "val_bpb", "ppl", "prefill_tok_s",
                 "prefill_tok_s_by_batch", "decode_tok_s", "peak_rss_mb")
 
 
-def variant_paths(pretrain: StageRecord, prune: StageRecord, recover: StageRecord, export: StageRecord,
-                  quantize: StageRecord) -> dict[str, Path]:
-    return {"pretrained": pretrain.path("model"), "pruned": prune.path("model"), "recovered": recover.path("model"),
-            "onnx-fp32": export.path("onnx"), "onnx-int8": quantize.path("onnx")}
+def variant_paths(inputs: dict[str, StageRecord]) -> dict[str, Path]:
+    """Every model variant to measure, in pipeline order: the output each model-making stage declares
+    in the registry (StageSpec.evaluates)."""
+    paths = {}
+    for name in SPEC.needs:
+        if (declared := stages.BY_NAME[name].evaluates) is not None:
+            variant, output = declared
+            paths[variant] = inputs[name].path(output)
+    return paths
 
 
 def _measure_in_fresh_process(name: str, **kwargs: Any) -> Any:
@@ -66,9 +67,12 @@ def _measure_in_fresh_process(name: str, **kwargs: Any) -> Any:
         return json.loads(result.read_text())
 
 
-def evaluate(cfg: Config, tokenized: StageRecord, paths: dict[str, Path], out_dir: Path, run_id: str) -> StageOutput:
+def work(run: StageRun, eval: EvalConfig) -> StageOutput:  # noqa: A002 (the section's name)
+    return evaluate(eval, run.inputs["tokenize"], variant_paths(run.inputs), run.out_dir, run.run_id)
+
+
+def evaluate(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Path], out_dir: Path, run_id: str) -> StageOutput:
     started = time.perf_counter()
-    e = cfg.eval
     variants: list[dict[str, Any]] = []
     for name, path in paths.items():
         result = _measure_in_fresh_process(
@@ -105,6 +109,7 @@ def evaluate(cfg: Config, tokenized: StageRecord, paths: dict[str, Path], out_di
     atomic_write_json(out_dir / "variants.json", variants)
     report = report_markdown(variants, metrics, e.batch_sizes)
     atomic_write_text(out_dir / "report.md", report)
+    atomic_write_text(out_dir / "samples.txt", samples_text(variants))
     plot_variants(variants, out_dir / "quality_vs_size_speed.png", e.batch_sizes[0])
     tracking.log_table(run_id, table_rows(variants), "variants_table.json")
     metrics["seconds"] = round(time.perf_counter() - started, 2)
@@ -114,10 +119,11 @@ def evaluate(cfg: Config, tokenized: StageRecord, paths: dict[str, Path], out_di
              metrics["bpb_increase_pct"])
     return StageOutput(
         metrics=metrics,
-        files={"variants": "variants.json", "report": "report.md", "plot": "quality_vs_size_speed.png"},
-        artifacts=["variants.json", "report.md", "quality_vs_size_speed.png"],
-        info={"summary": {"variants": [{k: v[k] for k in SUMMARY_KEYS} for v in variants]},
-              "final_model": str(paths[FINAL])},
+        files={"variants": "variants.json", "report": "report.md", "samples": "samples.txt",
+               "plot": "quality_vs_size_speed.png"},
+        artifacts=["variants.json", "report.md", "samples.txt", "quality_vs_size_speed.png"],
+        summary={"variants": [{k: v[k] for k in SUMMARY_KEYS} for v in variants]},
+        info={"final_model": str(paths[FINAL])},
     )
 
 
@@ -129,6 +135,15 @@ def table_rows(variants: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row.update({f"prefill_tok_s_b{b}": s for b, s in v["prefill_tok_s_by_batch"].items()})
         rows.append(row)
     return rows
+
+
+def samples_text(variants: list[dict[str, Any]]) -> str:
+    """Every variant's samples from the fixed prompts (temperature 0.8, top-k 40, one seed for all)."""
+    parts = []
+    for v in variants:
+        for prompt, text in v["samples"].items():
+            parts.append(f"=== {v['variant']}, prompt: {prompt!r}\n{text}\n")
+    return "\n".join(parts)
 
 
 def report_markdown(variants: list[dict[str, Any]], metrics: dict[str, Any], batch_sizes: list[int]) -> str:
@@ -188,18 +203,11 @@ def plot_variants(variants: list[dict[str, Any]], path: Path, batch: int) -> Non
     tmp.replace(path)
 
 
-@task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate_task(ctx: StageContext, tokenize: StageRecord, pretrain: StageRecord, prune: StageRecord,
-                  recover: StageRecord, export: StageRecord, quantize: StageRecord) -> State:
-    paths = variant_paths(pretrain, prune, recover, export, quantize)
-    record = run_stage(
-        SPEC, ctx, lambda out_dir, run_id: evaluate(ctx.cfg, tokenize, paths, out_dir, run_id),
-        inputs={"tokenize": tokenize, "pretrain": pretrain, "prune": prune, "recover": recover, "export": export,
-                "quantize": quantize})
-    if TaskRunContext.get() is not None:
-        variants = record.info["summary"]["variants"]
-        create_table_artifact(key="cpuforge-evaluation", table=table_rows(variants),
-            description="cpuforge: every variant on the same validation tokens")
-        create_markdown_artifact(key="cpuforge-report", markdown=record.path("report").read_text(),
-                                 description="cpuforge: the evaluation report")
-    return finish_stage(record, ctx)
+def publish(record: StageRecord) -> None:
+    """In Prefect: the variants as a table and the report as markdown (the UI's artifacts tab)."""
+    if TaskRunContext.get() is None:
+        return
+    create_table_artifact(key="cpuforge-evaluation", table=table_rows(record.summary["variants"]),
+                          description="cpuforge: every variant on the same validation tokens")
+    create_markdown_artifact(key="cpuforge-report", markdown=record.path("report").read_text(),
+                             description="cpuforge: the evaluation report")

@@ -18,20 +18,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-from prefect.states import State
 from tokenizers import Tokenizer
 
 from cpuforge.models.checkpoint import load_model
 from cpuforge.models.onnx_export import META_EOD, META_TOKENIZER, export_decoder
 from cpuforge.models.runtime import TorchDecoder, generate, load_language_model
 from cpuforge.tasks import stages
-from cpuforge.tasks.config import Config
+from cpuforge.tasks.config import ExportConfig
 from cpuforge.tasks.engine.data import open_shards, val_batches
 from cpuforge.tasks.errors import ModelError
-from cpuforge.tasks.infra.publish import finish_stage
-from cpuforge.tasks.infra.stage import StageContext, StageOutput, run_stage
+from cpuforge.tasks.infra.stage import StageOutput, StageRun
 from cpuforge.tasks.infra.store import StageRecord
 
 log = logging.getLogger("cpuforge.export")
@@ -42,7 +38,11 @@ PARITY_PROMPTS = 4
 PARITY_NEW_TOKENS = 32  # greedy tokens compared per prompt (fixed: the stage's key holds only the export section)
 
 
-def export(cfg: Config, tokenized: StageRecord, recovered: StageRecord, out_dir: Path) -> StageOutput:
+def work(run: StageRun, export: ExportConfig) -> StageOutput:
+    return export_model(export, run.inputs["tokenize"], run.inputs["recover"], run.out_dir)
+
+
+def export_model(e: ExportConfig, tokenized: StageRecord, recovered: StageRecord, out_dir: Path) -> StageOutput:
     started = time.perf_counter()
     model_dir = recovered.path("model")
     model = load_model(model_dir)
@@ -51,7 +51,7 @@ def export(cfg: Config, tokenized: StageRecord, recovered: StageRecord, out_dir:
     metadata = {META_TOKENIZER: Tokenizer.from_file(str(model_dir / "tokenizer.json")).to_str(),
                 META_EOD: str(shards.eod_id)}
     path = out_dir / "model.onnx"
-    export_decoder(model, path, cfg.export.opset, metadata)
+    export_decoder(model, path, e.opset, metadata)
     export_seconds = time.perf_counter() - started
 
     onnx_lm = load_language_model(path)
@@ -67,7 +67,7 @@ def export(cfg: Config, tokenized: StageRecord, recovered: StageRecord, out_dir:
     prompts = [batches[0][0][i, :8].tolist() for i in range(PARITY_PROMPTS)]
     matches = sum(list(generate(torch_decoder, p, n_new)) == list(generate(onnx_lm.decoder, p, n_new)) for p in prompts)
     metrics = {
-        "opset": cfg.export.opset, "file_bytes": path.stat().st_size, "export_seconds": round(export_seconds, 2),
+        "opset": e.opset, "file_bytes": path.stat().st_size, "export_seconds": round(export_seconds, 2),
         "parity_max_abs_diff": float(f"{diff:.3g}"), "parity_argmax_agreement": round(agree / total, 5),
         "parity_tokens": total, "generation_match": round(matches / len(prompts), 4),
         "seconds": round(time.perf_counter() - started, 2),
@@ -75,19 +75,12 @@ def export(cfg: Config, tokenized: StageRecord, recovered: StageRecord, out_dir:
     log.info("exported %s (%.2f MB): max |logit diff| %.2g vs PyTorch, argmax agreement %.4f, "
              "greedy generations identical %d/%d", path.name, metrics["file_bytes"] / 1e6, diff,
              metrics["parity_argmax_agreement"], matches, len(prompts))
-    if diff > cfg.export.parity_atol:
+    if diff > e.parity_atol:
         raise ModelError(f"the ONNX model's logits differ from PyTorch's by up to {diff:.3g} on validation "
-                         f"windows, above export.parity_atol={cfg.export.parity_atol:g}: the exported graph is "
+                         f"windows, above export.parity_atol={e.parity_atol:g}: the exported graph is "
                          f"wrong (try another export.opset)")
     if matches < len(prompts):
         raise ModelError(f"greedy generation with the ONNX KV cache differs from PyTorch's on "
                          f"{len(prompts) - matches} of {len(prompts)} prompts: the exported cache is wrong")
     return StageOutput(metrics=metrics, files={"onnx": "model.onnx"}, artifacts=["model.onnx"],
                        info={"exporter": "torch.onnx dynamo", "torch": torch.__version__})
-
-
-@task(name="export", cache_policy=NO_CACHE)
-def export_task(ctx: StageContext, tokenize: StageRecord, recover: StageRecord) -> State:
-    record = run_stage(SPEC, ctx, lambda out_dir, run_id: export(ctx.cfg, tokenize, recover, out_dir),
-                       inputs={"tokenize": tokenize, "recover": recover})
-    return finish_stage(record, ctx)

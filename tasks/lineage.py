@@ -170,21 +170,20 @@ def _from_folder(path: Path, origin: str) -> PretrainedSource:
     return PretrainedSource(str(folder.resolve()), sha256_file(folder / "model.safetensors"), origin)
 
 
-def model_section(source: PretrainedSource) -> ModelConfig:
-    """The model section that describes the source's architecture."""
+def model_section(source: PretrainedSource, size: str) -> ModelConfig:
+    """The model section that describes the source's architecture (every field set: the size is only a name)."""
     found = read_config(Path(source.folder))
     if found.head_dim_override is not None:
         raise ConfigError(f"{source.origin} is a pruned model: start from an unpruned pretrained model")
-    fields = {name: getattr(found, name) for name in ModelConfig.model_fields}
-    return ModelConfig(**fields)
+    return ModelConfig(size=size, **{k: v for k, v in found.to_dict().items() if k != "vocab_size"})
 
 
 def with_source(cfg: Config, source: PretrainedSource, adopt_shape: bool) -> Config:
     """The config a run from ``source`` uses: its tokenizer; its shape (adopted, or checked against model.*)."""
-    shape = model_section(source)
+    shape = model_section(source, cfg.model.size)
     if not adopt_shape and shape != cfg.model:
         diff = ", ".join(f"{k}: config {getattr(cfg.model, k)} vs weights {getattr(shape, k)}"
-                         for k in ModelConfig.model_fields if getattr(cfg.model, k) != getattr(shape, k))
+                         for k in type(shape).model_fields if getattr(cfg.model, k) != getattr(shape, k))
         raise ConfigError(f"train.init_from={cfg.train.init_from}: the weights ({source.origin}) have another shape "
                           f"({diff}); set model.* to match, or clear train.init_from to start from scratch")
     update: dict[str, Any] = {"tokenizer": cfg.tokenizer.model_copy(update={"path": source.tokenizer_path})}

@@ -15,7 +15,6 @@ from typing import Any
 
 from cpuforge.tasks import stages
 from cpuforge.tasks.config import Config
-from cpuforge.tasks.corpus import stage_extra_key
 from cpuforge.tasks.infra.stage import StageSpec, key_of, key_parts
 from cpuforge.tasks.infra.store import RECORD_FILE, StageRecord, StageStore
 
@@ -82,8 +81,8 @@ def why_build(store: StageStore, spec: StageSpec, parts: dict[str, Any], changed
     reasons += [f"input {name} differs from the newest output's" for name, key in parts["inputs"].items()
                 if name not in changed_inputs and old.get("inputs", {}).get(name) != key]
     if old.get("extra") != parts["extra"]:
-        what = {"tokenize": "the data source's files (or the given tokenizer) changed",
-                "pretrain": "the weights train.init_from names changed"}.get(spec.name, "its extra inputs changed")
+        what = {"corpus": "the data source's files (or the given tokenizer) changed",
+                "source": "the weights it starts from changed"}.get(spec.extra, "its extra inputs changed")
         reasons.append(what)
     old_code, new_code = old.get("code", {}), parts["code"]
     edited = sorted({_source_path(m) for m in set(old_code) | set(new_code) if old_code.get(m) != new_code.get(m)})
@@ -95,9 +94,11 @@ def why_build(store: StageStore, spec: StageSpec, parts: dict[str, Any], changed
 
 def extra_key(spec: StageSpec, cfg: Config) -> tuple[Any, str | None]:
     """(the stage's extra key, or a note when it is only known once the run starts)."""
-    if spec.name == "tokenize":
-        return stage_extra_key(cfg), None
-    if spec.name == "pretrain" and cfg.train.init_from:
+    if spec.extra == "corpus":
+        return stages.extra_key(spec, cfg, None), None
+    if spec.extra == "source" and spec.stands_for:
+        return None, "the model it starts from is resolved when the run starts"
+    if spec.extra == "source" and cfg.train.init_from:
         return None, (f"train.init_from={cfg.train.init_from} is resolved when the run starts: it is reused only "
                       "if those weights are the ones its output was trained from")
     return None, None

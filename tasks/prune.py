@@ -19,25 +19,20 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-from prefect.states import State
 
 from cpuforge.models.checkpoint import load_model, save_model
 from cpuforge.models.config import LlamaConfig, ModelConfigError
-from cpuforge.models.fileio import atomic_write_json, atomic_write_text
+from cpuforge.models.fileio import atomic_write_json
 from cpuforge.models.importance import Importance, activation_importance
 from cpuforge.models.llama import config_param_count, param_count
 from cpuforge.models.prune import check_target, choose_keep, prune
 from cpuforge.tasks import stages
-from cpuforge.tasks.config import Config, PruneConfig
+from cpuforge.tasks.config import PruneConfig
 from cpuforge.tasks.engine.data import BatchSampler, open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.trainer import evaluate
 from cpuforge.tasks.errors import ConfigError
-from cpuforge.tasks.infra.publish import finish_stage
-from cpuforge.tasks.infra.stage import StageContext, StageOutput, run_stage
+from cpuforge.tasks.infra.stage import StageOutput, StageRun
 from cpuforge.tasks.infra.store import StageRecord
-from cpuforge.tasks.reports import samples_from_folder
 
 log = logging.getLogger("cpuforge.prune")
 
@@ -94,22 +89,26 @@ def target_config(cfg: LlamaConfig, p: PruneConfig) -> LlamaConfig:
     return _shrink_width(replace(cfg, n_layer=layers, head_dim_override=cfg.head_dim), budget)
 
 
-def calibration_batches(train, cfg: Config, seed_offset: int = 10_007) -> list[torch.Tensor]:
+def calibration_batches(train, p: PruneConfig, block_size: int) -> list[torch.Tensor]:
     """Train-split windows for importance, drawn apart from the training stream's seeds."""
-    sampler = BatchSampler(train, cfg.train.batch_size, cfg.model.block_size, cfg.train.seed + seed_offset)
-    return [sampler.batch(i)[0] for i in range(cfg.prune.calib_batches)]
+    sampler = BatchSampler(train, p.batch_size, block_size, p.seed)
+    return [sampler.batch(i)[0] for i in range(p.calib_batches)]
 
 
-def prune_stage(cfg: Config, tokenized: StageRecord, pretrained: StageRecord, out_dir: Path) -> StageOutput:
+def work(run: StageRun, prune: PruneConfig) -> StageOutput:
+    return prune_stage(prune, run.inputs["tokenize"], run.inputs["pretrain"], run.out_dir)
+
+
+def prune_stage(p: PruneConfig, tokenized: StageRecord, pretrained: StageRecord, out_dir: Path) -> StageOutput:
     started = time.perf_counter()
     teacher = load_model(pretrained.path("model"))
-    target = target_config(teacher.cfg, cfg.prune)
+    target = target_config(teacher.cfg, p)
     shards = open_shards(Path(tokenized.output_dir), teacher.cfg.block_size)
     lengths = token_byte_lengths(shards.tokenizer_path)
-    val = val_batches(shards.val, cfg.train.eval_batches, cfg.train.batch_size, teacher.cfg.block_size)
+    val = val_batches(shards.val, p.val_batches, p.batch_size, teacher.cfg.block_size)
     _, bpb_before = evaluate(teacher, val, lengths)
 
-    imp = activation_importance(teacher, calibration_batches(shards.train, cfg))
+    imp = activation_importance(teacher, calibration_batches(shards.train, p, teacher.cfg.block_size))
     keep = choose_keep(teacher.cfg, imp, target)
     student = prune(teacher, keep)
     _, bpb_after = evaluate(student, val, lengths)
@@ -117,15 +116,14 @@ def prune_stage(cfg: Config, tokenized: StageRecord, pretrained: StageRecord, ou
     save_model(student, out_dir / "model")
     shutil.copy(pretrained.path("tokenizer"), out_dir / "model" / "tokenizer.json")
     choices = {
-        "strategy": "explicit" if any(getattr(cfg.prune, k) for k in ("n_layer", "n_head", "n_kv_head", "d_model", "d_mlp"))
-        else cfg.prune.strategy,
+        "strategy": "explicit" if any(getattr(p, k) for k in ("n_layer", "n_head", "n_kv_head", "d_model", "d_mlp"))
+        else p.strategy,
         "before": {k: getattr(teacher.cfg, k) for k in ("n_layer", "n_head", "n_kv_head", "d_model", "d_mlp")},
         "after": {k: getattr(student.cfg, k) for k in ("n_layer", "n_head", "n_kv_head", "d_model", "d_mlp")},
         "kept_layers": keep.layers, "kept_kv_heads": keep.kv_heads, "kept_query_heads": keep.q_per_group,
         "layer_cosine": [round(float(c), 4) for c in imp.layer_cosine],
     }
     atomic_write_json(out_dir / "choices.json", choices)
-    atomic_write_text(out_dir / "samples.txt", samples_from_folder(out_dir / "model", cfg, shards.eod_id))
     plot_importance(imp, keep, out_dir / "importance.png")
     params_before, params_after = param_count(teacher), param_count(student)
     log.info("pruned %s -> %s parameters (%.0f%%): val bpb %.3f -> %.3f",
@@ -137,8 +135,8 @@ def prune_stage(cfg: Config, tokenized: StageRecord, pretrained: StageRecord, ou
                  **{f"{k}_after": v for k, v in choices["after"].items()},
                  "seconds": round(time.perf_counter() - started, 2)},
         files={"model": "model", "tokenizer": "model/tokenizer.json", "choices": "choices.json",
-               "importance": "importance.png", "samples": "samples.txt"},
-        artifacts=["choices.json", "importance.png", "samples.txt"],
+               "importance": "importance.png"},
+        artifacts=["choices.json", "importance.png"],
         info={"choices": choices["after"], "model_config": student.cfg.to_dict()},
     )
 
@@ -165,10 +163,3 @@ def plot_importance(imp: Importance, keep, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-
-
-@task(name="prune", cache_policy=NO_CACHE)
-def prune_task(ctx: StageContext, tokenize: StageRecord, pretrain: StageRecord) -> State:
-    record = run_stage(SPEC, ctx, lambda out_dir, _run_id: prune_stage(ctx.cfg, tokenize, pretrain, out_dir),
-                       inputs={"tokenize": tokenize, "pretrain": pretrain})
-    return finish_stage(record, ctx)

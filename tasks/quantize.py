@@ -36,9 +36,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-from prefect.states import State
 
 from cpuforge.models.fileio import atomic_write_json, atomic_write_text
 from cpuforge.models.onnx_export import (
@@ -51,12 +48,11 @@ from cpuforge.models.onnx_export import (
 )
 from cpuforge.models.runtime import load_language_model
 from cpuforge.tasks import stages
-from cpuforge.tasks.config import Config
+from cpuforge.tasks.config import QuantizeConfig
 from cpuforge.tasks.engine.data import BatchSampler, open_shards, token_byte_lengths
 from cpuforge.tasks.engine.hardware import int8_dot_product
 from cpuforge.tasks.engine.scoring import Samples, alternating_speeds, best, score_tokens, spread
-from cpuforge.tasks.infra.publish import finish_stage
-from cpuforge.tasks.infra.stage import StageContext, StageOutput, run_stage
+from cpuforge.tasks.infra.stage import StageOutput, StageRun
 from cpuforge.tasks.infra.store import StageRecord
 
 log = logging.getLogger("cpuforge.quantize")
@@ -70,14 +66,13 @@ CALIB_BATCH = 4
 CALIB_SEED = 2024  # fixed: the stage's key holds only the quantize section
 
 
-def candidate_methods(cfg: Config) -> list[str]:
-    q = cfg.quantize
+def candidate_methods(q: QuantizeConfig) -> list[str]:
     dynamic = {"auto": ["dynamic-qint8", "dynamic-quint8"], "qint8": ["dynamic-qint8"],
                "quint8": ["dynamic-quint8"]}[q.weight_type]
     return {"best": dynamic + ["static-qdq"], "dynamic": dynamic, "static": ["static-qdq"]}[q.method]
 
 
-def _calibration_reader(shards, cfg: Config, model_cfg):
+def _calibration_reader(shards, q: QuantizeConfig, model_cfg):
     from onnxruntime.quantization import CalibrationDataReader
 
     names = input_names(model_cfg.n_layer)
@@ -88,7 +83,7 @@ def _calibration_reader(shards, cfg: Config, model_cfg):
             self.step = 0
 
         def get_next(self):
-            if self.step >= cfg.quantize.calib_batches:
+            if self.step >= q.calib_batches:
                 return None
             x, _ = sampler.batch(self.step)
             self.step += 1
@@ -176,14 +171,18 @@ def choose(quality: dict[str, float], speeds: Samples, fp32_bpb: float, max_incr
                     f"{100 * noise:.1f}% spread of the measurements: kept the simplest", settled=False, margins=margins)
 
 
-def quantize(cfg: Config, tokenized: StageRecord, exported: StageRecord, out_dir: Path) -> StageOutput:
+def work(run: StageRun, quantize: QuantizeConfig) -> StageOutput:
+    return quantize_model(quantize, run.inputs["tokenize"], run.inputs["export"], run.out_dir)
+
+
+def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRecord, out_dir: Path) -> StageOutput:
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     started = time.perf_counter()
     fp32_path = exported.path("onnx")
     fp32 = load_language_model(fp32_path)
     shards = open_shards(Path(tokenized.output_dir), fp32.cfg.block_size)
-    val_tokens = np.asarray(shards.val[: cfg.quantize.score_tokens + 1])
+    val_tokens = np.asarray(shards.val[: q.score_tokens + 1])
     byte_lengths = token_byte_lengths(shards.tokenizer_path)
 
     prepared = out_dir / "prepared.onnx"
@@ -199,10 +198,10 @@ def quantize(cfg: Config, tokenized: StageRecord, exported: StageRecord, out_dir
     candidates = out_dir / "candidates"
     shutil.rmtree(candidates, ignore_errors=True)  # an interrupted earlier attempt's partial candidates
     candidates.mkdir()
-    for method in candidate_methods(cfg):
+    for method in candidate_methods(q):
         target = candidates / f"{method}.onnx"
         t0 = time.perf_counter()
-        quantize_one(method, prepared, target, lambda: _calibration_reader(shards, cfg, fp32.cfg))
+        quantize_one(method, prepared, target, lambda: _calibration_reader(shards, q, fp32.cfg))
         lms[method] = load_language_model(target)
         results[method] = {"file_bytes": lms[method].file_bytes,
                            "val_bpb": score_tokens(lms[method], val_tokens, byte_lengths).val_bpb,
@@ -214,7 +213,7 @@ def quantize(cfg: Config, tokenized: StageRecord, exported: StageRecord, out_dir
     quality = {k: v["val_bpb"] for k, v in results.items() if k != "fp32"}
 
     def decide(samples: Samples) -> Decision:
-        return choose(quality, samples, base["val_bpb"], cfg.quantize.max_bpb_increase)
+        return choose(quality, samples, base["val_bpb"], q.max_bpb_increase)
 
     # Every candidate with fp32, in alternation, until the rule's margins stand out of the noise.
     speeds = alternating_speeds(lms, [1], DECODE_TOKENS, MIN_ROUNDS, MAX_ROUNDS, settled=lambda s: decide(s).settled)
@@ -267,10 +266,3 @@ def _markdown(report: dict) -> str:
         lines.append(f"| {name} | {r['file_bytes'] / 1e6:.2f} | {r['val_bpb']:.4f} | {r['prefill_tok_s']:,.0f} | "
                      f"{r['decode_tok_s']:,.0f} |")
     return "\n".join(lines) + "\n"
-
-
-@task(name="quantize", cache_policy=NO_CACHE)
-def quantize_task(ctx: StageContext, tokenize: StageRecord, export: StageRecord) -> State:
-    record = run_stage(SPEC, ctx, lambda out_dir, run_id: quantize(ctx.cfg, tokenize, export, out_dir),
-                       inputs={"tokenize": tokenize, "export": export})
-    return finish_stage(record, ctx)

@@ -1,32 +1,12 @@
-"""What a stage shows people about a model: samples from fixed prompts and loss curves."""
+"""What a training stage shows people: its loss curve. (Samples from fixed prompts are evaluate's,
+for every variant with the same seed: a report setting never retrains a model.)"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import torch
-from tokenizers import Tokenizer
-
-from cpuforge.models.checkpoint import load_model
-from cpuforge.models.fileio import atomic_write_text
-from cpuforge.models.llama import Llama
-from cpuforge.models.runtime import generate
-from cpuforge.tasks.config import Config
-
 SAMPLE_SEED = 1234
-
-
-def write_samples(model: Llama, tokenizer: Tokenizer, cfg: Config, eod_id: int) -> str:
-    generator = torch.Generator().manual_seed(SAMPLE_SEED)
-    tokenizer.encode_special_tokens = True
-    parts = []
-    for prompt in cfg.eval.prompts:
-        ids = tokenizer.encode(prompt, add_special_tokens=False).ids[: model.cfg.block_size - 1] or [eod_id]
-        out = list(generate(model, ids, cfg.eval.max_new_tokens, temperature=0.8, top_k=40, stop_token=eod_id,
-                            generator=generator))
-        parts.append(f"=== prompt: {prompt!r}\n{prompt}{tokenizer.decode(out)}\n")
-    return "\n".join(parts)
 
 
 def plot_loss_curve(history: list[dict[str, float]], path: Path) -> None:
@@ -50,14 +30,7 @@ def plot_loss_curve(history: list[dict[str, float]], path: Path) -> None:
 
 
 
-def samples_from_folder(model_dir: Path, cfg: Config, eod_id: int) -> str:
-    """Reload a saved model folder (proving it loads alone) and sample from it."""
-    model = load_model(model_dir)
-    return write_samples(model, Tokenizer.from_file(str(model_dir / "tokenizer.json")), cfg, eod_id)
-
-
-def training_reports(out_dir: Path, cfg: Config, eod_id: int) -> None:
-    """After a training stage: samples.txt from the saved model/, loss_curve.png from history.jsonl."""
-    atomic_write_text(out_dir / "samples.txt", samples_from_folder(out_dir / "model", cfg, eod_id))
+def training_reports(out_dir: Path) -> None:
+    """After a training stage: loss_curve.png from history.jsonl."""
     history = [json.loads(line) for line in (out_dir / "history.jsonl").read_text().splitlines()]
     plot_loss_curve(history, out_dir / "loss_curve.png")

@@ -1,33 +1,67 @@
 """The stage registry: one declaration per stage — its name, the stages whose outputs it takes, the
-config sections that determine its output, its module — and the order the flows run them in.
+config sections it reads (its work function's arguments, and its key), the named outputs it
+provides, its module — and the order the flows run them in.
 
-This module imports no stage (they pull in torch, Prefect and onnxruntime), so `cpuforge plan` can
-key every stage in about a second. A stage module takes its SPEC from here; adding a stage is a
-new module, one entry below, and (if it has settings) a config section.
+The flows, `cpuforge plan`, `--rebuild`, evaluate's list of model variants and the run summary all
+come from here. This module imports no stage (they pull in torch, Prefect and onnxruntime), so
+`cpuforge plan` can key every stage in about a second.
+
+Adding a stage: a module tasks/<name>.py with ``SPEC = stages.<NAME>`` and ``work(run, <sections>)``,
+one StageSpec below placed in PIPELINE (and COMPRESS), and its config section if it has settings
+(tasks/config.py). Nothing else: see docs/architecture.md.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from cpuforge.tasks.infra.stage import StageSpec
 
-TOKENIZE = StageSpec(name="tokenize", version="1", sections=("data", "tokenizer"), module="cpuforge.tasks.tokenize")
-PRETRAIN = StageSpec(name="pretrain", version="1", sections=("model", "train"), module="cpuforge.tasks.pretrain",
-                     needs=("tokenize",), resumable=True)
-# The compression flow's stand-in for pretrain: an existing model copied in (its record is
-# handed on under the name "pretrain").
-ADOPT = StageSpec(name="adopt", version="1", sections=("model", "train"), module="cpuforge.tasks.adopt", needs=("tokenize",))
-PRUNE = StageSpec(name="prune", version="1", sections=("prune",), module="cpuforge.tasks.prune", needs=("tokenize", "pretrain"))
-RECOVER = StageSpec(name="recover", version="1", sections=("recover", "train"), module="cpuforge.tasks.recover",
-                    needs=("tokenize", "pretrain", "prune"), resumable=True)
-EXPORT = StageSpec(name="export", version="1", sections=("export",), module="cpuforge.tasks.export", needs=("tokenize", "recover"))
-QUANTIZE = StageSpec(name="quantize", version="2", sections=("quantize",), module="cpuforge.tasks.quantize",
-                     needs=("tokenize", "export"))  # 2: the rule weighs decode
-EVALUATE = StageSpec(name="evaluate", version="2", sections=("eval",), module="cpuforge.tasks.evaluate",
-                     needs=("tokenize", "pretrain", "prune", "recover", "export", "quantize"))  # 2: speeds alternate
+TOKENIZE = StageSpec(
+    name="tokenize", version="1", sections=("data", "tokenizer"), module="cpuforge.tasks.tokenize",
+    provides=("tokenizer", "train", "val", "meta"), kind="service", extra="corpus",  # a hub download may fail, then work
+)
+PRETRAIN = StageSpec(
+    name="pretrain", version="1", sections=("model", "train"), module="cpuforge.tasks.pretrain", needs=("tokenize",),
+    provides=("model", "tokenizer"), resumable=True, kind="training", evaluates=("pretrained", "model"), extra="source",
+)
+# The compression flow's stand-in for pretrain: an existing model copied in.
+ADOPT = StageSpec(
+    name="adopt", version="1", sections=("train",), module="cpuforge.tasks.adopt", needs=("tokenize",),
+    provides=("model", "tokenizer"), evaluates=("pretrained", "model"), stands_for="pretrain", extra="source",
+)
+PRUNE = StageSpec(
+    name="prune", version="1", sections=("prune",), module="cpuforge.tasks.prune", needs=("tokenize", "pretrain"),
+    provides=("model", "tokenizer"), evaluates=("pruned", "model"),
+)
+RECOVER = StageSpec(
+    name="recover", version="1", sections=("recover", "train"), module="cpuforge.tasks.recover",
+    needs=("tokenize", "pretrain", "prune"), provides=("model", "tokenizer"), resumable=True, kind="training",
+    evaluates=("recovered", "model"),
+)
+EXPORT = StageSpec(
+    name="export", version="1", sections=("export",), module="cpuforge.tasks.export", needs=("tokenize", "recover"),
+    provides=("onnx",), evaluates=("onnx-fp32", "onnx"),
+)
+QUANTIZE = StageSpec(
+    name="quantize", version="2", sections=("quantize",), module="cpuforge.tasks.quantize",  # 2: the rule weighs decode
+    needs=("tokenize", "export"), provides=("onnx",), evaluates=("onnx-int8", "onnx"),
+)
 
-PIPELINE: tuple[StageSpec, ...] = (TOKENIZE, PRETRAIN, PRUNE, RECOVER, EXPORT, QUANTIZE, EVALUATE)
-COMPRESS: tuple[StageSpec, ...] = (TOKENIZE, ADOPT, PRUNE, RECOVER, EXPORT, QUANTIZE, EVALUATE)
+_MODEL_STAGES = (PRETRAIN, PRUNE, RECOVER, EXPORT, QUANTIZE)
+EVALUATE = StageSpec(
+    name="evaluate", version="2", sections=("eval",), module="cpuforge.tasks.evaluate",  # 2: speeds alternate
+    # every stage that makes a model variant: evaluate measures them all on the same tokens
+    needs=("tokenize", *(spec.name for spec in _MODEL_STAGES)), provides=("variants", "report", "samples"),
+)
+
+PIPELINE: tuple[StageSpec, ...] = (TOKENIZE, *_MODEL_STAGES, EVALUATE)
+COMPRESS: tuple[StageSpec, ...] = tuple(ADOPT if spec is PRETRAIN else spec for spec in PIPELINE)
 BY_NAME = {spec.name: spec for spec in (*PIPELINE, ADOPT)}
+
+# The model the pipeline registers: evaluate's final variant (quantize's int8 ONNX model).
+FINAL_VARIANT = QUANTIZE.evaluates[0]  # type: ignore[index]
+BASELINE_VARIANT = PRETRAIN.evaluates[0]  # type: ignore[index]
 
 
 def names(order: tuple[StageSpec, ...] = PIPELINE) -> list[str]:
@@ -40,3 +74,34 @@ def from_stage(name: str, order: tuple[StageSpec, ...] = PIPELINE) -> frozenset[
     if name not in order_names:
         raise ValueError(f"unknown stage {name!r}; the stages are {', '.join(order_names)}")
     return frozenset(order_names[order_names.index(name):])
+
+
+def record_name(spec: StageSpec) -> str:
+    """The name its record is handed on under (adopt's is "pretrain")."""
+    return spec.stands_for or spec.name
+
+
+def extra_key(spec: StageSpec, cfg: Any, source: Any) -> Any:
+    """What the stage's key holds besides config, inputs and code: the corpus' files (tokenize), or the
+    hash of the weights the run starts from (pretrain, adopt)."""
+    if spec.extra == "corpus":
+        from cpuforge.tasks.corpus import stage_extra_key
+
+        return stage_extra_key(cfg)
+    if spec.extra == "source":
+        return source.sha256 if source is not None else None
+    return None
+
+
+def markdown_table(order: tuple[StageSpec, ...] = PIPELINE) -> str:
+    """The stages as docs/architecture.md lists them (a test keeps the page equal to this)."""
+    rows = ["| stage | needs | config sections | provides | evaluated as |", "|---|---|---|---|---|"]
+    for spec in order:
+        variant = spec.evaluates[0] if spec.evaluates else ""
+        rows.append(f"| {spec.name} | {', '.join(spec.needs) or '-'} | {', '.join(spec.sections)} | "
+                    f"{', '.join(spec.provides)} | {variant or '-'} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":  # python -m cpuforge.tasks.stages: the table for docs/architecture.md
+    print(markdown_table(), end="")

@@ -13,20 +13,16 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-from prefect.states import State
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from cpuforge.models.fileio import atomic_write_json
 from cpuforge.tasks import stages
-from cpuforge.tasks.config import Config, DataConfig, TokenizerConfig
-from cpuforge.tasks.corpus import Corpus, load_corpus, stage_extra_key
+from cpuforge.tasks.config import DataConfig, TokenizerConfig
+from cpuforge.tasks.corpus import Corpus, load_corpus
 from cpuforge.tasks.encoding import encode_to_shard, shard_dtype
 from cpuforge.tasks.engine.progress import progress_bar
 from cpuforge.tasks.errors import DataError
-from cpuforge.tasks.infra.publish import finish_stage
-from cpuforge.tasks.infra.stage import SERVICE_RETRIES, StageContext, StageOutput, run_stage
+from cpuforge.tasks.infra.stage import StageOutput, StageRun
 from cpuforge.tasks.parallel_encode import choose_runner, encode_split_in_parallel
 
 log = logging.getLogger("cpuforge.tokenize")
@@ -135,9 +131,12 @@ def load_tokenizer(path: Path, eod_token: str) -> Tokenizer:
 # --- the stage ------------------------------------------------------------------------------
 
 
-def tokenize(cfg: Config, out_dir: Path, cache_dir: Path) -> StageOutput:
+def work(run: StageRun, data: DataConfig, tokenizer: TokenizerConfig) -> StageOutput:
+    return tokenize(data, tokenizer, run.out_dir, run.cache_dir)
+
+
+def tokenize(data: DataConfig, tok_cfg: TokenizerConfig, out_dir: Path, cache_dir: Path) -> StageOutput:
     """Load the corpus, split it, get a tokenizer, write both shards and meta.json into out_dir."""
-    data: DataConfig = cfg.data
     for stale in out_dir.iterdir():  # leftovers of an interrupted attempt: start clean
         shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
 
@@ -149,20 +148,20 @@ def tokenize(cfg: Config, out_dir: Path, cache_dir: Path) -> StageOutput:
     load_seconds = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    if cfg.tokenizer.path:
-        tokenizer = load_tokenizer(Path(cfg.tokenizer.path).expanduser(), cfg.tokenizer.eod_token)
+    if tok_cfg.path:
+        tokenizer = load_tokenizer(Path(tok_cfg.path).expanduser(), tok_cfg.eod_token)
         trained = False
     else:
-        tokenizer = train_tokenizer(splits["train"], cfg.tokenizer)
+        tokenizer = train_tokenizer(splits["train"], tok_cfg)
         trained = True
     tokenizer_seconds = time.perf_counter() - t0
-    eod_id = tokenizer.token_to_id(cfg.tokenizer.eod_token)
+    eod_id = tokenizer.token_to_id(tok_cfg.eod_token)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    if trained and vocab_size < cfg.tokenizer.vocab_size:
+    if trained and vocab_size < tok_cfg.vocab_size:
         log.warning(
             "the tokenizer learned %d of the %d tokens asked for: the train split has no more pairs seen "
             "tokenizer.min_frequency=%d times (a bigger corpus or a smaller vocab_size fixes this)",
-            vocab_size, cfg.tokenizer.vocab_size, cfg.tokenizer.min_frequency,
+            vocab_size, tok_cfg.vocab_size, tok_cfg.min_frequency,
         )
     dtype = shard_dtype(vocab_size)
     tokenizer.save(str(out_dir / "tokenizer.json"))
@@ -190,7 +189,7 @@ def tokenize(cfg: Config, out_dir: Path, cache_dir: Path) -> StageOutput:
         "format": META_FORMAT,
         "dtype": dtype.name,
         "vocab_size": vocab_size,
-        "eod_token": cfg.tokenizer.eod_token,
+        "eod_token": tok_cfg.eod_token,
         "eod_id": eod_id,
         "splits": stats,
         "bytes_per_token": round(sum(int(s["bytes"]) for s in stats.values()) / max(1, total_tokens - total_docs), 4),
@@ -205,7 +204,7 @@ def tokenize(cfg: Config, out_dir: Path, cache_dir: Path) -> StageOutput:
         },
         "skipped": corpus.skipped,
         "replaced_sequences": corpus.replaced_sequences,
-        "tokenizer": {"trained": trained, "path": cfg.tokenizer.path},
+        "tokenizer": {"trained": trained, "path": tok_cfg.path},
     }
     atomic_write_json(out_dir / "meta.json", meta)
 
@@ -229,25 +228,17 @@ def tokenize(cfg: Config, out_dir: Path, cache_dir: Path) -> StageOutput:
         metrics=metrics,
         files={"tokenizer": "tokenizer.json", "train": "train.bin", "val": "val.bin", "meta": "meta.json"},
         artifacts=["tokenizer.json", "meta.json"],
+        dataset={
+            "kind": corpus.kind,
+            "source": corpus.source,
+            "digest": corpus.fingerprint[:32],
+            "name": Path(corpus.source).name if corpus.kind != "hub" else corpus.source,
+            "hf_subset": data.hf_subset,
+            "hf_split": data.hf_split,
+        },
         info={
-            "dataset": {
-                "kind": corpus.kind,
-                "source": corpus.source,
-                "digest": corpus.fingerprint[:32],
-                "name": Path(corpus.source).name if corpus.kind != "hub" else corpus.source,
-                "hf_subset": data.hf_subset,
-                "hf_split": data.hf_split,
-            },
             "skipped": corpus.skipped[:50],
             "dtype": dtype.name,
             "eod_id": eod_id,
         },
     )
-
-
-@task(name="tokenize", cache_policy=NO_CACHE, **SERVICE_RETRIES)  # hub downloads can fail and succeed later
-def tokenize_task(ctx: StageContext) -> State:
-    record = run_stage(
-        SPEC, ctx, lambda out_dir, _run_id: tokenize(ctx.cfg, out_dir, ctx.cache_dir), extra_key=stage_extra_key(ctx.cfg)
-    )
-    return finish_stage(record, ctx)

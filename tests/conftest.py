@@ -102,3 +102,17 @@ def shared_tmp():
     folder.chmod(0o777)
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def build_stage(name: str, cfg, out_dir: Path, source=None, **inputs):
+    """Build one stage's output outside a flow, exactly as run_stage calls it: its work function with
+    its declared config sections and its inputs' records (no store, no MLflow run)."""
+    import importlib
+
+    from cpuforge.tasks import stages
+    from cpuforge.tasks.infra.stage import StageRun
+
+    spec = stages.BY_NAME[name]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run = StageRun(out_dir=out_dir, run_id="", inputs=inputs, workdir=out_dir.parent, source=source)
+    return importlib.import_module(spec.module).work(run, **{s: getattr(cfg, s) for s in spec.sections})

@@ -20,10 +20,10 @@ from cpuforge.tasks.engine.data import open_shards, token_byte_lengths
 from cpuforge.tasks.engine.scoring import Score, alternating_speeds, score_text, score_tokens
 from cpuforge.tasks.engine.training_run import run_training
 from cpuforge.tasks.errors import DataError
-from cpuforge.tasks.export import export
 from cpuforge.tasks.infra.store import StageRecord
-from cpuforge.tasks.quantize import choose, quantize
+from cpuforge.tasks.quantize import choose
 from cpuforge.tasks.registry import decide
+from tests.conftest import build_stage
 from tests.test_pretrain import shards, spec_for  # noqa: F401  (module fixture)
 
 
@@ -42,14 +42,14 @@ def tokenized(shards) -> StageRecord:  # noqa: F811
 @pytest.fixture(scope="module")
 def exported(trained, tokenized, tmp_path_factory) -> tuple[StageRecord, dict]:
     out = tmp_path_factory.mktemp("export")
-    result = export(load_config("tiny"), tokenized, trained, out)
+    result = build_stage("export", load_config("tiny"), out, tokenize=tokenized, recover=trained)
     return StageRecord(stage="export", key="e", output_dir=str(out), files=result.files), result.metrics
 
 
 @pytest.fixture(scope="module")
 def quantized(exported, tokenized, tmp_path_factory) -> tuple[StageRecord, dict]:
     out = tmp_path_factory.mktemp("quantize")
-    result = quantize(load_config("tiny"), tokenized, exported[0], out)
+    result = build_stage("quantize", load_config("tiny"), out, tokenize=tokenized, export=exported[0])
     return StageRecord(stage="quantize", key="q", output_dir=str(out), files=result.files), result.metrics
 
 
@@ -107,7 +107,7 @@ def test_quantize_reruns_over_an_interrupted_attempt(exported, tokenized, tmp_pa
     leftover.parent.mkdir()
     leftover.write_bytes(b"half-written")  # what a kill during quantize_one leaves
     cfg = load_config("tiny", overrides=["quantize.method=dynamic", "quantize.weight_type=qint8"])
-    result = quantize(cfg, tokenized, exported[0], tmp_path)
+    result = build_stage("quantize", cfg, tmp_path, tokenize=tokenized, export=exported[0])
     assert sorted(p.name for p in (tmp_path / "candidates").iterdir()) == ["dynamic-qint8.onnx"]
     assert result.metrics["rule_rounds"] >= 3 and "dynamic-qint8/decode_tok_s" in result.metrics
 

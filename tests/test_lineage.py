@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from cpuforge.models.checkpoint import save_model
-from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import Llama
 from cpuforge.tasks.config import load_config
 from cpuforge.tasks.errors import ConfigError
@@ -23,7 +23,7 @@ from cpuforge.tasks.lineage import (
 
 def model_folder(path, **dims):
     cfg = load_config("tiny")
-    llama = LlamaConfig(vocab_size=512, **{**cfg.model.model_dump(), **dims})
+    llama = replace(cfg.model.shape(512), **dims)
     save_model(Llama(llama), path)
     (path / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE"}}))
     return cfg

@@ -29,8 +29,9 @@ from safetensors.torch import load_file
 
 from cpuforge.models.checkpoint import load_model
 from cpuforge.tasks.config import load_config
+from cpuforge.tasks.engine.data import open_shards
 from cpuforge.tasks.engine.rendezvous import torchrun_command
-from cpuforge.tasks.engine.training_run import run_training
+from cpuforge.tasks.engine.training_run import TrainingSpec, run_training
 from cpuforge.tasks.errors import ConfigError
 from cpuforge.tasks.tokenize import tokenize
 from tests.test_pretrain import shards  # noqa: F401  (the shared fixture: tokenized tiny shards)
@@ -87,9 +88,8 @@ def in_netns(node: Node, *python_args: str, log: Path) -> subprocess.Popen:
                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-START = ("-c", "import json, logging, sys; from cpuforge.tasks.config import Config; from cpuforge.tasks.engine.training_run import execute; "
-         "logging.basicConfig(level=logging.INFO); spec = json.load(open(sys.argv[1])); "
-         "execute(spec, Config.model_validate(spec['config']))")
+START = ("-c", "import logging, sys; from cpuforge.tasks.engine.training_run import TrainingSpec, execute; "
+         "logging.basicConfig(level=logging.INFO); execute(TrainingSpec.model_validate_json(open(sys.argv[1]).read()))")
 JOIN = ("-m", "cpuforge.tasks.engine.training_run")  # what the docs tell a second machine to run
 
 
@@ -115,10 +115,10 @@ def two_nodes(nodes, shards: Path, out: Path, port: int, *overrides: str, kill_w
                                          "train.nproc_per_node=1", f"train.rdzv_endpoint={a.address}:{port}",
                                          "train.eval_interval=6", "train.checkpoint_every_steps=6", *overrides])
     out.mkdir(parents=True)
-    spec = {"kind": "pretrain", "config": cfg.model_dump(mode="json"), "tokenize_dir": str(shards),
-            "out_dir": str(out), "threads": 1, "dtype": "float32", "peak_flops": 1e12, "tracking_uri": "",
-            "run_id": None}
-    (out.parent / f"{out.name}-spec.json").write_text(json.dumps(spec))
+    vocab = open_shards(shards, cfg.model.block_size).vocab_size
+    spec = TrainingSpec(kind="pretrain", train=cfg.train, model=cfg.model.shape(vocab), tokenize_dir=str(shards),
+                        out_dir=str(out), threads=1, peak_flops=1e12)
+    (out.parent / f"{out.name}-spec.json").write_text(spec.model_dump_json())
     node_a = in_netns(a, *START, str(out.parent / f"{out.name}-spec.json"), log=out.parent / f"{out.name}-a.log")
     node_b = None
     killed = None
@@ -188,10 +188,10 @@ def test_fsdp_across_two_namespaces_resumes_in_one_process(nodes, shards, tmp_pa
     alone = tmp_path / "alone"
     shutil.copytree(out / "checkpoints", alone / "checkpoints")
     shutil.rmtree(alone / "checkpoints" / "step-00000018")
-    spec = json.loads((out / "launch.json").read_text())
-    cfg = {**spec["config"], "train": {**spec["config"]["train"], "nnodes": 1, "strategy": "ddp"}}
-    result = run_training({**spec, "config": cfg, "out_dir": str(alone)})
-    assert result["resumed_from"] == 12 and result["steps"] == 18
+    spec = TrainingSpec.model_validate_json((out / "launch.json").read_text())
+    train = spec.train.model_copy(update={"nnodes": 1, "strategy": "ddp"})
+    result = run_training(spec.model_copy(update={"train": train, "out_dir": str(alone)}))
+    assert result.resumed_from == 12 and result.steps == 18
 
 
 def test_a_killed_worker_is_restarted_by_torchrun_and_resumes(nodes, shards, tmp_path):
@@ -210,13 +210,12 @@ def test_torchrun_command_for_a_rendezvous_on_this_machine_and_a_bad_endpoint(tm
     """Without namespaces: the endpoint's own machine hosts the store and advertises the endpoint's address."""
     cfg = load_config("tiny", overrides=["train.nnodes=2", "train.rdzv_endpoint=127.0.0.1:29555",
                                          "train.max_restarts=0"])
-    cmd, env = torchrun_command(cfg, tmp_path / "launch.json", "pretrain-abc")
+    cmd, env = torchrun_command(cfg.train, tmp_path / "launch.json", "pretrain-abc")
     assert {"--rdzv_conf=is_host=true", "--local_addr=127.0.0.1", "--rdzv_id=pretrain-abc", "--max-restarts=0",
             "--nnodes=2", "--rdzv_backend=c10d"} <= set(cmd)
     assert env["GLOO_SOCKET_IFNAME"] == "lo"
     with pytest.raises(ConfigError, match="is not host:port"):
-        torchrun_command(cfg.model_copy(update={"train": cfg.train.model_copy(update={"rdzv_endpoint": "nohost"})}),
-                         tmp_path / "launch.json", "x")
+        torchrun_command(cfg.train.model_copy(update={"rdzv_endpoint": "nohost"}), tmp_path / "launch.json", "x")
 
 
 def _free_port() -> int:
@@ -251,7 +250,7 @@ def test_dask_tokenization_on_a_separately_started_scheduler_and_workers(tmp_pat
             out = tmp_path / name
             out.mkdir()
             cfg = load_config("tiny", overrides=[f"data.source={text_corpus}", "data.piece_bytes=4096", *extra])
-            tokenize(cfg, out, tmp_path / "cache")
+            tokenize(cfg.data, cfg.tokenizer, out, tmp_path / "cache")
             outputs[name] = out
         for file in ("train.bin", "val.bin", "tokenizer.json"):
             assert (outputs["dask"] / file).read_bytes() == (outputs["single"] / file).read_bytes(), file

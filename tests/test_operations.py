@@ -15,13 +15,13 @@ from pathlib import Path
 from prefect import flow
 from prefect.states import Crashed, Failed
 
+from cpuforge.tasks import stages
 from cpuforge.tasks.config import load_config
 from cpuforge.tasks.errors import DataError
 from cpuforge.tasks.infra import tracking
 from cpuforge.tasks.infra.locks import training_slot
+from cpuforge.tasks.infra.runner import stage_task
 from cpuforge.tasks.infra.stage import TRAINING_TAG, StageContext, retry_unless_user_error
-from cpuforge.tasks.pretrain import pretrain_task
-from cpuforge.tasks.tokenize import tokenize_task
 from tests.conftest import make_text
 
 
@@ -57,8 +57,9 @@ def test_a_training_that_crashes_is_retried_and_resumes_from_its_last_checkpoint
 
     @flow
     def train_twice():
-        tokenized = tokenize_task(ctx)
-        state = pretrain_task.with_options(retry_delay_seconds=0)(ctx, tokenize=tokenized, return_state=True)
+        tokenized = stage_task(stages.TOKENIZE)(ctx, {}, stages.extra_key(stages.TOKENIZE, cfg, None))
+        pretrain_task = stage_task(stages.PRETRAIN).with_options(retry_delay_seconds=0)
+        state = pretrain_task(ctx, {"tokenize": tokenized}, return_state=True)
         return state.result(), state.state_details.task_run_id
 
     record, task_run_id = train_twice()
@@ -69,7 +70,7 @@ def test_a_training_that_crashes_is_retried_and_resumes_from_its_last_checkpoint
 
     with get_client(sync_client=True) as client:
         assert client.read_task_run(task_run_id).run_count == 2  # one retry, not a fresh start
-    assert pretrain_task.tags == {TRAINING_TAG} and pretrain_task.retries >= 1
+    assert stage_task(stages.PRETRAIN).tags == {TRAINING_TAG} and stage_task(stages.PRETRAIN).retries >= 1
 
 
 def test_two_trainings_on_one_machine_run_one_after_the_other(caplog):

@@ -65,7 +65,8 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
         assert pre["metrics"][name] > 0, name
     model_dir = Path(pre["output_dir"]) / "model"
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= {p.name for p in model_dir.iterdir()}
-    assert "=== prompt: 'def '" in (Path(pre["output_dir"]) / "samples.txt").read_text()
+    samples = (Path(first["stages"]["evaluate"]["output_dir"]) / "samples.txt").read_text()
+    assert all(f"=== {variant}, prompt: 'def '" in samples for variant in ("pretrained", "pruned", "onnx-int8"))
     pruned, recovered = first["stages"]["prune"]["metrics"], first["stages"]["recover"]["metrics"]
     assert pruned["params_before"] == pre["metrics"]["params"]
     assert pruned["params_after"] <= pruned["params_before"] / 2
@@ -89,7 +90,7 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
         assert len(client.get_metric_history(train_run.info.run_id, series)) == pre["metrics"]["steps"], series
     assert {m.step for m in client.get_metric_history(train_run.info.run_id, "val/bpb")} == {10, 20, 30}
     assert train_run.data.metrics["val_bpb"] == pre["metrics"]["val_bpb"]
-    assert {"loss_curve.png", "samples.txt", "model"} <= {a.path for a in client.list_artifacts(train_run.info.run_id)}
+    assert {"loss_curve.png", "model"} <= {a.path for a in client.list_artifacts(train_run.info.run_id)}
     assert {"model/model.safetensors", "model/config.json", "model/tokenizer.json"} <= {
         a.path for a in client.list_artifacts(train_run.info.run_id, "model")}
 

@@ -101,8 +101,44 @@ def test_the_stage_modules_take_their_declarations_from_the_registry():
         assert set(spec.needs) <= set(ORDER[:ORDER.index(spec.name)])
 
 
+def test_a_stage_sees_only_the_config_sections_it_declares():
+    """work(run, <sections>) takes exactly the sections in its key, by name: it cannot read another."""
+    import importlib
+    import inspect
+
+    for spec in stages.BY_NAME.values():
+        work = importlib.import_module(spec.module).work
+        params = list(inspect.signature(work).parameters)
+        assert params == ["run", *spec.sections], f"{spec.name}: work{tuple(params)} vs sections {spec.sections}"
+
+
+def test_evaluate_measures_every_variant_the_registry_declares():
+    from cpuforge.tasks.evaluate import variant_paths
+    from cpuforge.tasks.infra.store import StageRecord
+
+    records = {name: StageRecord(stage=name, key=name, output_dir=f"/out/{name}", files={"model": "m", "onnx": "x.onnx"})
+               for name in stages.EVALUATE.needs}
+    paths = variant_paths(records)
+    assert list(paths) == ["pretrained", "pruned", "recovered", "onnx-fp32", "onnx-int8"]
+    assert str(paths["onnx-int8"]) == "/out/quantize/x.onnx" and stages.FINAL_VARIANT == "onnx-int8"
+
+
+def test_report_settings_do_not_retrain_a_model(tmp_path):
+    """Samples from fixed prompts are evaluate's: new prompts re-key evaluate alone."""
+    base = load_config("tiny")
+    changed = load_config("tiny", overrides=['eval.prompts=["while "]', "eval.max_new_tokens=5"])
+    before, after = keys(base, tmp_path), keys(changed, tmp_path)
+    assert {s for s in ORDER if before[s] != after[s]} == {"evaluate"}
+
+
 def test_rebuild_names_a_stage_and_everything_after_it():
     assert stages.from_stage("recover") == {"recover", "export", "quantize", "evaluate"}
     assert stages.from_stage("adopt", stages.COMPRESS) == set(stages.names(stages.COMPRESS)[1:])
     with pytest.raises(ValueError, match="unknown stage 'pretrian'"):
         stages.from_stage("pretrian")
+
+
+def test_the_docs_list_the_stages_of_the_registry():
+    page = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
+    listed = page.split("<!-- stages:begin -->\n")[1].split("<!-- stages:end -->")[0]
+    assert listed == stages.markdown_table(), "regenerate with: python -m cpuforge.tasks.stages"

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import Llama
 from cpuforge.tasks.config import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, unigram_bpb
-from cpuforge.tasks.engine.training_run import launch_torchrun, run_training
+from cpuforge.tasks.engine.training_run import TrainingSpec, launch_torchrun, run_training
 from cpuforge.tasks.errors import DataError, UserError
 from cpuforge.tasks.pretrain import _check_resumable
 from cpuforge.tasks.tokenize import tokenize
@@ -41,19 +40,21 @@ def shards(tmp_path_factory) -> Path:
         (corpus / f"{i}.txt").write_text(make_text(i, 80))
     out = root / "tok"
     out.mkdir()
-    tokenize(load_config("tiny", overrides=[f"data.source={corpus}", "data.max_docs=null"]), out, root / "cache")
+    cfg = load_config("tiny", overrides=[f"data.source={corpus}", "data.max_docs=null"])
+    tokenize(cfg.data, cfg.tokenizer, out, root / "cache")
     return out
 
 
-def spec_for(shards: Path, out_dir: Path, *overrides: str, threads: int = 1) -> dict:
+def spec_for(shards: Path, out_dir: Path, *overrides: str, threads: int = 1) -> TrainingSpec:
     cfg = load_config("tiny", overrides=["train.max_minutes=null", *overrides])
     out_dir.mkdir(parents=True, exist_ok=True)
-    return {"kind": "pretrain", "config": cfg.model_dump(mode="json"), "tokenize_dir": str(shards), "out_dir": str(out_dir),
-            "threads": threads, "dtype": "float32", "peak_flops": 1e12, "tracking_uri": "", "run_id": None}
+    vocab = open_shards(shards, cfg.model.block_size).vocab_size
+    return TrainingSpec(kind="pretrain", train=cfg.train, recover=cfg.recover, model=cfg.model.shape(vocab),
+                        tokenize_dir=str(shards), out_dir=str(out_dir), threads=threads, peak_flops=1e12)
 
 
 def test_training_learns_and_reports(shards, tmp_path):
-    result = run_training(spec_for(shards, tmp_path / "run", "train.max_steps=40"))
+    result = run_training(spec_for(shards, tmp_path / "run", "train.max_steps=40")).model_dump()
     assert result["steps"] == 40 and result["tokens"] == 40 * 8 * 64
     history = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
     assert history[0]["loss"] > history[-1]["loss"] + 0.5
@@ -68,8 +69,8 @@ def test_training_learns_and_reports(shards, tmp_path):
     assert (tmp_path / "run" / "model" / "tokenizer.json").is_file()
 
 
-def _train_in_subprocess(spec: dict, spec_path: Path) -> subprocess.Popen:
-    spec_path.write_text(json.dumps(spec))
+def _train_in_subprocess(spec: TrainingSpec, spec_path: Path) -> subprocess.Popen:
+    spec_path.write_text(spec.model_dump_json())
     code = "import json, sys; from cpuforge.tasks.engine.training_run import run_training; run_training(json.load(open(sys.argv[1])))"
     return subprocess.Popen([sys.executable, "-c", code, str(spec_path)], cwd=ROOT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -103,8 +104,8 @@ def test_two_processes_with_ddp_over_gloo(shards, tmp_path):
     spec = spec_for(shards, tmp_path / "ddp", "train.max_steps=12", "train.nproc_per_node=2",
                     "train.eval_interval=6", "train.checkpoint_every_steps=6")
     spec_path = tmp_path / "ddp" / "launch.json"
-    spec_path.write_text(json.dumps(spec))
-    launch_torchrun(load_config("tiny", overrides=["train.nproc_per_node=2", "train.threads=1"]), spec_path, "k" * 16)
+    spec_path.write_text(spec.model_dump_json())
+    launch_torchrun(spec.train, spec_path, "k" * 16)
     result = json.loads((tmp_path / "ddp" / "result.json").read_text())
     assert result["steps"] == 12
     assert result["tokens"] == 12 * 8 * 64 * 2  # both ranks' batches count
@@ -120,10 +121,9 @@ def test_fsdp_on_two_processes_and_its_checkpoints_resume_under_any_strategy(sha
         spec = spec_for(shards, out, *overrides, f"train.nproc_per_node={processes}", "train.strategy=fsdp",
                         "train.eval_interval=6", "train.checkpoint_every_steps=6")
         if processes == 1:
-            return run_training(spec)
-        (out / "launch.json").write_text(json.dumps(spec))
-        launch_torchrun(load_config("tiny", overrides=[f"train.nproc_per_node={processes}", "train.threads=1"]),
-                        out / "launch.json", "f" * 16)
+            return run_training(spec).model_dump()
+        (out / "launch.json").write_text(spec.model_dump_json())
+        launch_torchrun(spec.train, out / "launch.json", "f" * 16)
         return json.loads((out / "result.json").read_text())
 
     def resume_from_step_12(source: Path, out: Path, processes: int) -> dict:
@@ -264,12 +264,12 @@ def test_mfu_divides_by_the_peak_of_the_chosen_precision(shards, tmp_path, monke
         return {torch.float32: 1e11, torch.bfloat16: 4e11}[dtype]
 
     monkeypatch.setattr(training_run, "matmul_peak", fake_peak)
-    ctx = SimpleNamespace(cache_dir=tmp_path / "cache", tracking_uri="")
     for precision, dtype, peak in (("bf16", torch.bfloat16, 4e11), ("fp32", torch.float32, 1e11)):
         cfg = load_config("tiny", overrides=[f"train.precision={precision}"])
-        spec = training_run.training_spec("pretrain", cfg, shards, tmp_path / "out", "", ctx)
-        assert asked[-1] == dtype and spec["dtype"] == str(dtype).removeprefix("torch.") and spec["peak_flops"] == peak
-        assert training_run.precision_params(spec)["matmul_peak_dtype"] == spec["dtype"]
+        spec = training_run.training_spec("pretrain", cfg.train, shards, tmp_path / "out", "", tmp_path / "cache",
+                                          model=cfg.model.shape(512))
+        assert asked[-1] == dtype and spec.dtype == str(dtype).removeprefix("torch.") and spec.peak_flops == peak
+        assert training_run.precision_params(spec)["matmul_peak_dtype"] == spec.dtype
 
 
 def test_auto_precision_is_a_measured_ab_cached_per_shape(tmp_path, monkeypatch):
@@ -309,7 +309,6 @@ def test_the_real_ab_times_both_precisions():
 def test_recover_mfu_counts_the_teachers_forward_passes(shards, tmp_path):
     from cpuforge.models.checkpoint import save_model
     from cpuforge.models.llama import flops_per_token
-    from cpuforge.tasks.config import Config
     from cpuforge.tasks.engine.data import token_byte_lengths, val_batches
     from cpuforge.tasks.engine.trainer import train
     from cpuforge.tasks.engine.training_run import _build
@@ -319,10 +318,10 @@ def test_recover_mfu_counts_the_teachers_forward_passes(shards, tmp_path):
     student_cfg = LlamaConfig(vocab_size=s.vocab_size, n_layer=2, n_head=2, n_kv_head=1, d_model=64, d_mlp=96, block_size=64)
     save_model(Llama(teacher_cfg), tmp_path / "teacher")
     save_model(Llama(student_cfg), tmp_path / "student")
-    spec = {**spec_for(shards, tmp_path / "out", "train.max_steps=2", "recover.max_steps=2"), "kind": "recover",
-            "student_dir": str(tmp_path / "student"), "teacher_dir": str(tmp_path / "teacher")}
-    cfg = Config.model_validate(spec["config"])
-    model, loss_fn, settings = _build(spec, cfg, s.vocab_size)
+    spec = spec_for(shards, tmp_path / "out", "train.max_steps=2", "recover.max_steps=2").model_copy(
+        update={"kind": "recover", "model": None, "student_dir": str(tmp_path / "student"),
+                "teacher_dir": str(tmp_path / "teacher")})
+    model, loss_fn, settings = _build(spec)
     expected = flops_per_token(student_cfg) + flops_per_token(teacher_cfg) / 3
     assert settings.flops_per_token == pytest.approx(expected)
     assert flops_per_token(teacher_cfg, backward=False) == pytest.approx(flops_per_token(teacher_cfg) / 3)

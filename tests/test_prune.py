@@ -17,10 +17,9 @@ from cpuforge.tasks.config import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.trainer import evaluate, train
 from cpuforge.tasks.errors import ConfigError, UserError
-from cpuforge.tasks.infra.stage import StageContext
 from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.prune import calibration_batches, target_config
-from cpuforge.tasks.recover import recover
+from tests.conftest import build_stage
 from tests.test_pretrain import shards, spec_for  # noqa: F401 (fixture)
 
 CFG = LlamaConfig(vocab_size=101, n_layer=4, n_head=6, n_kv_head=2, d_model=48, d_mlp=128, block_size=32)
@@ -83,14 +82,14 @@ def test_importance_beats_random_pruning_on_val_loss(shards, tmp_path):  # noqa:
     cfg = load_config("tiny", overrides=["train.max_minutes=null", "train.max_steps=80"])
     s = open_shards(shards, 64)
     torch.manual_seed(0)
-    model = Llama(LlamaConfig(vocab_size=s.vocab_size, **cfg.model.model_dump()))
+    model = Llama(cfg.model.shape(s.vocab_size))
     lengths = token_byte_lengths(s.tokenizer_path)
     val = val_batches(s.val, 4, 8, 64)
     from cpuforge.tasks.engine.training_run import settings
 
-    train(model, s.train, val, lengths, settings(cfg, torch.float32, 0.0), tmp_path / "checkpoints")
+    train(model, s.train, val, lengths, settings(cfg.train, torch.float32, 0.0), tmp_path / "checkpoints")
     target = replace(model.cfg, d_mlp=88, d_model=48, head_dim_override=model.cfg.head_dim)
-    imp = activation_importance(model, calibration_batches(s.train, cfg))
+    imp = activation_importance(model, calibration_batches(s.train, cfg.prune, 64))
     smart_loss, _ = evaluate(prune(model, choose_keep(model.cfg, imp, target)), val, lengths)
     random_losses = []
     for seed in range(3):
@@ -109,32 +108,32 @@ def test_teacher_and_student_with_different_vocabularies_are_refused(tmp_path, s
         records[name] = StageRecord(stage=name, key=name, output_dir=str(tmp_path / name), files={"model": "model"})
     tok = StageRecord(stage="tokenize", key="t", output_dir=str(shards))
     with pytest.raises(UserError, match="vocabularies differ \\(300 vs 200\\)"):
-        recover(load_config("tiny"), tok, records["teacher"], records["student"], tmp_path / "out", "run",
-                StageContext(load_config("tiny"), tmp_path))
+        build_stage("recover", load_config("tiny"), tmp_path / "out", tokenize=tok, pretrain=records["teacher"],
+                    prune=records["student"])
 
 
 def test_distillation_runs_under_torchrun_with_two_processes(shards, tmp_path):  # noqa: F811
     """Recovery uses the same engine as pretraining, DDP included: student learns from the teacher."""
     import json
 
-    from cpuforge.tasks.engine.training_run import launch_torchrun
+    from cpuforge.tasks.engine.training_run import TrainingSpec, launch_torchrun
 
     s = open_shards(shards, 64)
     cfg = load_config("tiny", overrides=["recover.max_minutes=null", "recover.max_steps=8", "train.eval_interval=4",
                                          "train.checkpoint_every_steps=4", "train.nproc_per_node=2", "train.threads=1"])
     torch.manual_seed(0)
-    teacher = Llama(LlamaConfig(vocab_size=s.vocab_size, **cfg.model.model_dump()))
+    teacher = Llama(cfg.model.shape(s.vocab_size))
     save_model(teacher, tmp_path / "teacher")
-    save_model(prune(teacher, choose_keep(teacher.cfg, activation_importance(teacher, calibration_batches(s.train, cfg)),
+    save_model(prune(teacher, choose_keep(teacher.cfg, activation_importance(teacher, calibration_batches(s.train, cfg.prune, 64)),
                                           replace(teacher.cfg, d_mlp=88, head_dim_override=teacher.cfg.head_dim))),
                tmp_path / "student")
     out = tmp_path / "out"
     out.mkdir()
-    spec = {"kind": "recover", "config": cfg.model_dump(mode="json"), "tokenize_dir": str(shards), "out_dir": str(out),
-            "student_dir": str(tmp_path / "student"), "teacher_dir": str(tmp_path / "teacher"), "threads": 1,
-            "dtype": "float32", "peak_flops": 1e12, "tracking_uri": "", "run_id": None}
-    (out / "launch.json").write_text(json.dumps(spec))
-    launch_torchrun(cfg, out / "launch.json", "recover-test")
+    spec = TrainingSpec(kind="recover", train=cfg.train, recover=cfg.recover, tokenize_dir=str(shards), out_dir=str(out),
+                        student_dir=str(tmp_path / "student"), teacher_dir=str(tmp_path / "teacher"), threads=1,
+                        peak_flops=1e12)
+    (out / "launch.json").write_text(spec.model_dump_json())
+    launch_torchrun(cfg.train, out / "launch.json", "recover-test")
     result = json.loads((out / "result.json").read_text())
     assert result["steps"] == 8 and result["tokens"] == 8 * 8 * 64 * 2
     history = [json.loads(line) for line in (out / "history.jsonl").read_text().splitlines()]

@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 
 from cpuforge.tasks.config import load_config
-from cpuforge.tasks.corpus import list_source_files, load_corpus, stdlib_root
+from cpuforge.tasks.corpus import list_source_files, load_corpus, stage_extra_key, stdlib_root
 from cpuforge.tasks.encoding import decode_shard, shard_dtype
 from cpuforge.tasks.errors import ConfigError, DataError
 from cpuforge.tasks.tokenize import (
     chunk_documents,
     split_documents,
-    stage_extra_key,
     tokenize,
     train_tokenizer,
 )
@@ -29,7 +28,8 @@ def cfg_for(source, *extra):
 def run_tokenize(tmp_path: Path, source, *extra):
     out = tmp_path / "out"
     out.mkdir()
-    output = tokenize(cfg_for(source, *extra), out, tmp_path / "cache")
+    cfg = cfg_for(source, *extra)
+    output = tokenize(cfg.data, cfg.tokenizer, out, tmp_path / "cache")
     meta = json.loads((out / "meta.json").read_text())
     return out, output, meta
 
@@ -234,7 +234,7 @@ def test_encoding_in_parallel_on_a_process_pool_or_dask_writes_the_same_shards(t
         out.mkdir()
         cfg = load_config("tiny", overrides=[f"data.source={text_corpus}", f"data.encode_runner={runner}",
                                              "data.piece_bytes=4096", "data.encode_workers=2"])
-        outputs[runner] = (out, tokenize(cfg, out, tmp_path / "cache"))
+        outputs[runner] = (out, tokenize(cfg.data, cfg.tokenizer, out, tmp_path / "cache"))
     single, _ = outputs["single"]
     for runner in ("process", "dask", "auto"):
         out, result = outputs[runner]

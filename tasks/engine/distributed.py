@@ -6,13 +6,12 @@ would; DDP averages gradients, rank 0 logs, checkpoints and writes the outputs.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 
 import torch.distributed as dist
 
-from cpuforge.tasks.engine.training_run import run_training
+from cpuforge.tasks.engine.training_run import TrainingSpec, run_training
 
 
 def main(spec_path: str) -> None:
@@ -22,7 +21,7 @@ def main(spec_path: str) -> None:
                         format=f"[rank {rank}] %(asctime)s %(name)s: %(message)s")
     try:
         with open(spec_path) as f:
-            run_training(json.load(f))
+            run_training(TrainingSpec.model_validate_json(f.read()))
     finally:
         dist.destroy_process_group()
 

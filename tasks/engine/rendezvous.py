@@ -17,7 +17,7 @@ import struct
 import sys
 from pathlib import Path
 
-from cpuforge.tasks.config import Config
+from cpuforge.tasks.config import TrainConfig
 from cpuforge.tasks.errors import ConfigError
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
@@ -56,9 +56,8 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def torchrun_command(cfg: Config, spec_path: Path, rdzv_id: str) -> tuple[list[str], dict[str, str]]:
+def torchrun_command(t: TrainConfig, spec_path: Path, rdzv_id: str) -> tuple[list[str], dict[str, str]]:
     """(argv, extra environment) that start this machine's share of the run's worker group."""
-    t = cfg.train
     # Workers get a fresh store from rank 0 in every rendezvous round. The store torchrun shares with
     # them by default outlives a restart, and a restarted worker read the dead one's gloo address
     # from it ("Connection refused"), failing once more and using up another restart.

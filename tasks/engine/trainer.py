@@ -174,168 +174,213 @@ def train(
     log_metrics: Callable[[dict[str, float], int], None] | None = None,
     on_progress: Callable[[float, str], None] | None = None,
 ) -> TrainResult:
-    rank, world = _world()
-    is_main = rank == 0
-    T = model.cfg.block_size
-    tokens_per_step = s.batch_size * T * s.grad_accum * world
-    sampler = BatchSampler(train_data, s.batch_size, T, s.seed, rank, world)
-    step, tokens, elapsed_before, horizon, history, resumed_from = 0, 0, 0.0, None, [], None
+    """Train until the budget is spent, resuming from the last checkpoint in checkpoint_dir if any."""
+    run = _Training(model, train_data, val, byte_lengths, s, checkpoint_dir, loss_fn)
+    run.resume()
+    run.shard()
+    final = run.out_of_budget()  # resumed from the last checkpoint: nothing left to do
+    while not final:
+        record = run.step()
+        run.probe_horizon()
+        final = run.out_of_budget()
+        run.evaluate(record, due=run.step_count % s.eval_interval == 0 or final)
+        run.history.append(record)
+        if run.is_main:
+            run.report(record, log_metrics, on_progress)
+        run.checkpoint(final)
+    return run.finish()
 
-    # Checkpoints hold the full state whatever the strategy: weights load into the whole model
-    # before it is sharded, the optimizer state (keyed by parameter name) after.
-    found = latest_valid_checkpoint(checkpoint_dir)
-    opt_state = None
-    if found is not None:
-        if not sharding.is_sharded_checkpoint(found):  # a sharded one loads after the model is laid out
-            load_weights_into(model, found)
-        opt_state, trainer_state = load_training_state(found)
-        step, tokens = trainer_state["step"], trainer_state["tokens"]
-        elapsed_before, horizon = trainer_state["elapsed"], trainer_state["horizon"]
-        history = trainer_state["history"]
-        torch.set_rng_state(trainer_state["torch_rng"])
-        resumed_from = step
-        if is_main:
-            log.info("resuming from %s (step %d, %d tokens)", found.name, step, tokens)
 
-    net: torch.nn.Module = model
-    if world > 1 and s.strategy == "fsdp":
-        sharding.shard(model)  # in place: `model` is now the sharded module
-    elif world > 1:
-        net = torch.nn.parallel.DistributedDataParallel(model, forward_sync_buffers=False)  # rope caches are equal everywhere
-    optimizer = make_optimizer(model, s)
-    if found is not None and sharding.is_sharded_checkpoint(found):
-        sharding.load_sharded_checkpoint(model, optimizer, found)
-    elif opt_state is not None:
-        sharding.load_optimizer_state(model, optimizer, opt_state)
-    net.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    flops_tok = s.flops_per_token or flops_per_token(model.cfg)
+class _Training:
+    """One training's state, and its steps in the order train() takes them: resume, shard, step,
+    probe the horizon, evaluate, report, checkpoint, finish."""
 
-    def mfu_at(tokens_per_s: float) -> float:
-        return mfu(tokens_per_s, flops_tok, s.peak_flops, world)
+    def __init__(self, model: Llama, train_data: np.memmap, val: list[tuple[torch.Tensor, torch.Tensor]],
+                 byte_lengths: np.ndarray, s: TrainSettings, checkpoint_dir: Path, loss_fn: LossFn) -> None:
+        self.model, self.val, self.byte_lengths, self.s = model, val, byte_lengths, s
+        self.checkpoint_dir, self.loss_fn = checkpoint_dir, loss_fn
+        self.rank, self.world = _world()
+        self.is_main = self.rank == 0
+        self.tokens_per_step = s.batch_size * model.cfg.block_size * s.grad_accum * self.world
+        self.sampler = BatchSampler(train_data, s.batch_size, model.cfg.block_size, s.seed, self.rank, self.world)
+        self.step_count, self.tokens, self.elapsed_before = 0, 0, 0.0
+        self.horizon: int | None = None
+        self.history: list[dict[str, float]] = []
+        self.resumed_from: int | None = None
+        self.val_loss = self.val_bpb = float("nan")
+        self.flops_per_token = s.flops_per_token or flops_per_token(model.cfg)
+        # Steps the token/step budgets allow (none: effectively unlimited, the clock decides).
+        limits = [s.max_steps or 10**9]
+        if s.max_tokens:
+            limits.append(math.ceil(s.max_tokens / self.tokens_per_step))
+        self.budget_steps = min(limits)
 
-    # Steps the token/step budgets allow (none: effectively unlimited, the clock decides).
-    limits = [s.max_steps or 10**9]
-    if s.max_tokens:
-        limits.append(math.ceil(s.max_tokens / tokens_per_step))
-    budget_steps = min(limits)
-    horizon_frozen = horizon is not None  # restored from a checkpoint
-    if horizon is None and not s.max_minutes:
-        horizon, horizon_frozen = budget_steps, True
-    run_start = time.perf_counter()
-    last_checkpoint = run_start
-    probe_start, probe_step = None, step
-    window_start, window_tokens = time.perf_counter(), 0
-    val_loss = val_bpb = float("nan")
+    def resume(self) -> None:
+        """Load the last valid checkpoint, if any. Checkpoints hold the full state whatever the strategy:
+        weights load into the whole model before it is sharded, the optimizer state after (shard())."""
+        self.found = latest_valid_checkpoint(self.checkpoint_dir)
+        self.opt_state = None
+        if self.found is not None:
+            if not sharding.is_sharded_checkpoint(self.found):  # a sharded one loads after the model is laid out
+                load_weights_into(self.model, self.found)
+            self.opt_state, state = load_training_state(self.found)
+            self.step_count, self.tokens = state["step"], state["tokens"]
+            self.elapsed_before, self.horizon = state["elapsed"], state["horizon"]
+            self.history = state["history"]
+            torch.set_rng_state(state["torch_rng"])
+            self.resumed_from = self.step_count
+            if self.is_main:
+                log.info("resuming from %s (step %d, %d tokens)", self.found.name, self.step_count, self.tokens)
+        self.horizon_frozen = self.horizon is not None  # restored from a checkpoint
+        if self.horizon is None and not self.s.max_minutes:
+            self.horizon, self.horizon_frozen = self.budget_steps, True
+        self.run_start = self.last_checkpoint = time.perf_counter()
+        self.probe_start: float | None = None
+        self.probe_step = self.step_count
+        self.window_start, self.window_tokens = time.perf_counter(), 0
 
-    def elapsed() -> float:
-        return elapsed_before + time.perf_counter() - run_start
+    def shard(self) -> None:
+        """Lay the model out over the processes (DDP replicas or FSDP shards) and make its optimizer."""
+        model, s = self.model, self.s
+        self.net: torch.nn.Module = model
+        if self.world > 1 and s.strategy == "fsdp":
+            sharding.shard(model)  # in place: `model` is now the sharded module
+        elif self.world > 1:
+            # rope caches are equal everywhere: no buffers to sync
+            self.net = torch.nn.parallel.DistributedDataParallel(model, forward_sync_buffers=False)
+        self.optimizer = make_optimizer(model, s)
+        if self.found is not None and sharding.is_sharded_checkpoint(self.found):
+            sharding.load_sharded_checkpoint(model, self.optimizer, self.found)
+        elif self.opt_state is not None:
+            sharding.load_optimizer_state(model, self.optimizer, self.opt_state)
+        self.net.train()
+        self.params = [p for p in model.parameters() if p.requires_grad]
 
-    def out_of_budget() -> bool:
-        done = (s.max_steps is not None and step >= s.max_steps) or \
-               (s.max_tokens is not None and tokens >= s.max_tokens) or \
-               (horizon is not None and step >= horizon) or \
-               (s.max_minutes is not None and elapsed() >= s.max_minutes * 60)
-        if world > 1:  # every rank must stop at the same step; rank 0's clock decides
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.perf_counter() - self.run_start
+
+    def out_of_budget(self) -> bool:
+        s = self.s
+        done = (s.max_steps is not None and self.step_count >= s.max_steps) or \
+               (s.max_tokens is not None and self.tokens >= s.max_tokens) or \
+               (self.horizon is not None and self.step_count >= self.horizon) or \
+               (s.max_minutes is not None and self.elapsed() >= s.max_minutes * 60)
+        if self.world > 1:  # every rank must stop at the same step; rank 0's clock decides
             flag = torch.tensor([1.0 if done else 0.0])
             dist.broadcast(flag, src=0)
             done = bool(flag.item())
         return done
 
-    final = out_of_budget()  # resumed from the last checkpoint: nothing left to do
-    while not final:
-        lr = lr_at(step, s, horizon if horizon is not None else 10**9)
-        for group in optimizer.param_groups:
+    def step(self) -> dict[str, float]:
+        """One optimizer step over grad_accum micro-batches; returns its history record."""
+        s = self.s
+        lr = lr_at(self.step_count, s, self.horizon if self.horizon is not None else 10**9)
+        for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = 0.0
         parts: dict[str, float] = {}
         for micro in range(s.grad_accum):
-            x, y = sampler.batch(step, micro)
-            sync = world == 1 or micro == s.grad_accum - 1
-            with sharding.gradient_sync(net, sync), _autocast(s.dtype):
-                out = loss_fn(net, x, y)
+            x, y = self.sampler.batch(self.step_count, micro)
+            sync = self.world == 1 or micro == s.grad_accum - 1
+            with sharding.gradient_sync(self.net, sync), _autocast(s.dtype):
+                out = self.loss_fn(self.net, x, y)
                 loss, named = out if isinstance(out, tuple) else (out, {})
                 loss = loss / s.grad_accum
             loss.backward()
             loss_sum += loss.item()
             for name, value in named.items():
                 parts[name] = parts.get(name, 0.0) + value / s.grad_accum
-        if s.grad_clip > 0:
-            grad_norm = sharding.as_float(torch.nn.utils.clip_grad_norm_(params, s.grad_clip))
-        elif sharding.is_sharded(model):  # the norm of sharded gradients needs their reduction
-            grad_norm = sharding.as_float(torch.nn.utils.clip_grad_norm_(params, float("inf")))
-        else:
-            grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        tokens += tokens_per_step
-        window_tokens += tokens_per_step
-
-        # A wall-clock budget becomes a step horizon from the measured step time. It is refined
-        # until the first checkpoint (a busy machine can make the first steps slow) and frozen
-        # there, so the cosine schedule ends with the budget and a resume replays it exactly.
-        if not horizon_frozen:
-            if probe_start is None:
-                probe_start, probe_step = time.perf_counter(), step  # skip the first (warm-up) step
-            elif step - probe_step >= HORIZON_PROBE_STEPS:
-                per_step = (time.perf_counter() - probe_start) / (step - probe_step)
-                remaining = max(1, int((s.max_minutes * 60 - elapsed()) / per_step))
-                horizon = min(step + remaining, budget_steps)
-            if world > 1:  # every rank follows rank 0's clock
-                horizon = _broadcast_int(horizon)
+        grad_norm = self._clip_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        self.tokens += self.tokens_per_step
+        self.window_tokens += self.tokens_per_step
 
         now = time.perf_counter()
-        window = now - window_start
-        tok_s = window_tokens / window if window > 0 else 0.0
-        step_mfu = mfu_at(tok_s)
-        window_start, window_tokens = now, 0
-        record = {"step": step, "loss": loss_sum, **parts, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                  "tokens_per_s": tok_s, "mfu": step_mfu, "elapsed": elapsed(),
-                  "peak_rss_mb": peak_rss_mb()}  # before this step's checkpoint (which gathers shards)
-        final = out_of_budget()
-        if step % s.eval_interval == 0 or final:
-            val_loss, val_bpb = evaluate(model, val, byte_lengths, s.dtype)
-            record.update(val_loss=val_loss, val_bpb=val_bpb)
-        history.append(record)
-        if is_main:
-            if log_metrics:  # per-step series live under train/ and val/; plain names are the stage summary
-                log_metrics({(f"val/{k[4:]}" if k.startswith("val_") else f"train/{k}"): v
-                             for k, v in record.items() if k != "step"}, step)
-            if on_progress:
-                fraction = max(step / horizon if horizon else 0.0,
-                               elapsed() / (s.max_minutes * 60) if s.max_minutes else 0.0)
-                on_progress(min(1.0, fraction), f"step {step} loss {loss_sum:.3f}")
-            if "val_bpb" in record:
-                log.info("step %d: loss %.4f, val loss %.4f, val bpb %.4f, %.0f tok/s, MFU %.1f%%",
-                         step, loss_sum, val_loss, val_bpb, tok_s, 100 * step_mfu)
-        checkpoint_now = horizon is not None and (
-            step % s.checkpoint_every_steps == 0 or now - last_checkpoint >= s.checkpoint_every_minutes * 60 or final)
-        if world > 1:
-            checkpoint_now = bool(_broadcast_int(int(checkpoint_now)))
-        if checkpoint_now and not horizon_frozen:
-            horizon_frozen = True
-            if is_main:
-                log.info("wall-clock budget of %.1f min -> cosine horizon fixed at %d steps", s.max_minutes, horizon)
-        if checkpoint_now:
-            trainer_state = {"step": step, "tokens": tokens, "elapsed": elapsed(), "horizon": horizon,
-                             "history": history, "torch_rng": torch.get_rng_state()}
-            if sharding.is_sharded(model):  # every rank writes its own shards
-                sharding.save_sharded_checkpoint(checkpoint_dir, step, model, optimizer, trainer_state)
-            elif is_main:
-                save_training_checkpoint(checkpoint_dir, step, model,
-                                         sharding.full_optimizer_state(model, optimizer), trainer_state)
-            last_checkpoint = time.perf_counter()
+        window = now - self.window_start
+        tok_s = self.window_tokens / window if window > 0 else 0.0
+        self.window_start, self.window_tokens = now, 0
+        return {"step": self.step_count, "loss": loss_sum, **parts, "lr": lr, "grad_norm": grad_norm,
+                "tokens": self.tokens, "tokens_per_s": tok_s, "mfu": self.mfu(tok_s), "elapsed": self.elapsed(),
+                "peak_rss_mb": peak_rss_mb()}  # before this step's checkpoint (which gathers shards)
 
-    if world > 1:
-        dist.barrier()
-    if math.isnan(val_loss):  # resumed at the very end: nothing left to train, still report quality
-        val_loss, val_bpb = evaluate(model, val, byte_lengths, s.dtype)
-    seconds = elapsed()
-    steady = [h["tokens_per_s"] for h in history[1:]] or [h["tokens_per_s"] for h in history]
-    tok_s = float(np.median(steady)) if steady else 0.0
-    return TrainResult(
-        steps=step, tokens=tokens, seconds=seconds, tokens_per_s=tok_s,
-        mfu=mfu_at(tok_s),
-        val_loss=val_loss, val_bpb=val_bpb, peak_rss_mb=peak_rss_mb(), resumed_from=resumed_from, history=history,
-    )
+    def _clip_gradients(self) -> float:
+        if self.s.grad_clip > 0:
+            return sharding.as_float(torch.nn.utils.clip_grad_norm_(self.params, self.s.grad_clip))
+        if sharding.is_sharded(self.model):  # the norm of sharded gradients needs their reduction
+            return sharding.as_float(torch.nn.utils.clip_grad_norm_(self.params, float("inf")))
+        return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None])))
+
+    def probe_horizon(self) -> None:
+        """A wall-clock budget becomes a step horizon from the measured step time. It is refined until
+        the first checkpoint (a busy machine can make the first steps slow) and frozen there, so the
+        cosine schedule ends with the budget and a resume replays it exactly."""
+        if self.horizon_frozen:
+            return
+        if self.probe_start is None:
+            self.probe_start, self.probe_step = time.perf_counter(), self.step_count  # skip the warm-up step
+        elif self.step_count - self.probe_step >= HORIZON_PROBE_STEPS:
+            per_step = (time.perf_counter() - self.probe_start) / (self.step_count - self.probe_step)
+            remaining = max(1, int((self.s.max_minutes * 60 - self.elapsed()) / per_step))
+            self.horizon = min(self.step_count + remaining, self.budget_steps)
+        if self.world > 1:  # every rank follows rank 0's clock
+            self.horizon = _broadcast_int(self.horizon)
+
+    def evaluate(self, record: dict[str, float], due: bool) -> None:
+        if due:
+            self.val_loss, self.val_bpb = evaluate(self.model, self.val, self.byte_lengths, self.s.dtype)
+            record.update(val_loss=self.val_loss, val_bpb=self.val_bpb)
+
+    def report(self, record: dict[str, float], log_metrics: Callable[[dict[str, float], int], None] | None,
+               on_progress: Callable[[float, str], None] | None) -> None:
+        step, s = self.step_count, self.s
+        if log_metrics:  # per-step series live under train/ and val/; plain names are the stage summary
+            log_metrics({(f"val/{k[4:]}" if k.startswith("val_") else f"train/{k}"): v
+                         for k, v in record.items() if k != "step"}, step)
+        if on_progress:
+            fraction = max(step / self.horizon if self.horizon else 0.0,
+                           self.elapsed() / (s.max_minutes * 60) if s.max_minutes else 0.0)
+            on_progress(min(1.0, fraction), f"step {step} loss {record['loss']:.3f}")
+        if "val_bpb" in record:
+            log.info("step %d: loss %.4f, val loss %.4f, val bpb %.4f, %.0f tok/s, MFU %.1f%%",
+                     step, record["loss"], self.val_loss, self.val_bpb, record["tokens_per_s"], 100 * record["mfu"])
+
+    def checkpoint(self, final: bool) -> None:
+        s, step = self.s, self.step_count
+        now = time.perf_counter()
+        due = self.horizon is not None and (
+            step % s.checkpoint_every_steps == 0 or now - self.last_checkpoint >= s.checkpoint_every_minutes * 60
+            or final)
+        if self.world > 1:
+            due = bool(_broadcast_int(int(due)))
+        if not due:
+            return
+        if not self.horizon_frozen:
+            self.horizon_frozen = True
+            if self.is_main:
+                log.info("wall-clock budget of %.1f min -> cosine horizon fixed at %d steps", s.max_minutes, self.horizon)
+        state = {"step": step, "tokens": self.tokens, "elapsed": self.elapsed(), "horizon": self.horizon,
+                 "history": self.history, "torch_rng": torch.get_rng_state()}
+        if sharding.is_sharded(self.model):  # every rank writes its own shards
+            sharding.save_sharded_checkpoint(self.checkpoint_dir, step, self.model, self.optimizer, state)
+        elif self.is_main:
+            save_training_checkpoint(self.checkpoint_dir, step, self.model,
+                                     sharding.full_optimizer_state(self.model, self.optimizer), state)
+        self.last_checkpoint = time.perf_counter()
+
+    def mfu(self, tokens_per_s: float) -> float:
+        return mfu(tokens_per_s, self.flops_per_token, self.s.peak_flops, self.world)
+
+    def finish(self) -> TrainResult:
+        if self.world > 1:
+            dist.barrier()
+        if math.isnan(self.val_loss):  # resumed at the very end: nothing left to train, still report quality
+            self.val_loss, self.val_bpb = evaluate(self.model, self.val, self.byte_lengths, self.s.dtype)
+        steady = [h["tokens_per_s"] for h in self.history[1:]] or [h["tokens_per_s"] for h in self.history]
+        tok_s = float(np.median(steady)) if steady else 0.0
+        return TrainResult(
+            steps=self.step_count, tokens=self.tokens, seconds=self.elapsed(), tokens_per_s=tok_s, mfu=self.mfu(tok_s),
+            val_loss=self.val_loss, val_bpb=self.val_bpb, peak_rss_mb=peak_rss_mb(), resumed_from=self.resumed_from,
+            history=self.history,
+        )

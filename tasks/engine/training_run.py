@@ -1,10 +1,11 @@
 """Running the training engine for a stage, in this process or under torchrun (DDP over gloo).
 
-A stage writes a JSON spec (paths, config, MLflow run) and calls ``execute``. With
-``train.nproc_per_node * train.nnodes > 1`` that launches ``cpuforge.tasks.engine.distributed`` under torchrun,
-and every process calls ``run_training(spec)``; otherwise this process does. ``spec["kind"]``
-says what is trained: ``pretrain`` (a fresh model, LM loss) or ``recover`` (the pruned
-student distilled from the teacher). Rank 0 logs, checkpoints and writes the outputs.
+A stage makes a TrainingSpec (paths, its settings, the MLflow run) and calls ``execute``. With
+``train.nproc_per_node * train.nnodes > 1`` that writes the spec as launch.json and launches
+``cpuforge.tasks.engine.distributed`` under torchrun, and every process calls ``run_training(spec)``;
+otherwise this process does. ``spec.kind`` says what is trained: ``pretrain`` (a fresh or given
+model, LM loss) or ``recover`` (the pruned student distilled from the teacher). Rank 0 logs,
+checkpoints and writes the outputs, and the TrainingResult (result.json).
 """
 
 from __future__ import annotations
@@ -19,42 +20,69 @@ import subprocess
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel
 
 from cpuforge.models.checkpoint import load_model, read_config, save_model
-from cpuforge.models.config import LlamaConfig, ModelConfigError
-from cpuforge.models.fileio import atomic_write_json, atomic_write_text
+from cpuforge.models.config import LlamaConfig
+from cpuforge.models.fileio import atomic_write_text
 from cpuforge.models.llama import Llama, flops_per_token
-from cpuforge.tasks.config import Config
+from cpuforge.tasks.config import RecoverConfig, TrainConfig
 from cpuforge.tasks.engine import sharding
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.hardware import available_cores, choose_precision, matmul_peak
 from cpuforge.tasks.engine.progress import budget_bar
 from cpuforge.tasks.engine.rendezvous import torchrun_command
 from cpuforge.tasks.engine.trainer import TrainSettings, distillation_loss, lm_loss, train
-from cpuforge.tasks.errors import ConfigError
 from cpuforge.tasks.infra import tracking
 from cpuforge.tasks.infra.locks import training_slot
-from cpuforge.tasks.infra.stage import StageContext
 
 log = logging.getLogger("cpuforge.training")
 
 
-def model_config(cfg: Config, vocab_size: int) -> LlamaConfig:
-    try:
-        return LlamaConfig(vocab_size=vocab_size, **cfg.model.model_dump())
-    except ModelConfigError as exc:
-        raise ConfigError(f"model: {exc}") from None
+class TrainingSpec(BaseModel):
+    """One training, as JSON: it crosses into torchrun workers and to other machines (launch.json)."""
+
+    kind: Literal["pretrain", "recover"]
+    train: TrainConfig
+    recover: RecoverConfig | None = None  # recover: its budget and distillation settings
+    model: LlamaConfig | None = None  # pretrain: the shape to build (recover reads it from student_dir)
+    tokenize_dir: str
+    out_dir: str
+    threads: int
+    dtype: str = "float32"
+    precision: dict[str, Any] = {}  # the precision decision: chosen dtype, why, tokens/s measured per dtype
+    peak_flops: float = 0.0  # measured matmul FLOP/s per process in `dtype`: MFU's denominator
+    flops_per_token: float = 0.0
+    tracking_uri: str = ""
+    run_id: str | None = None  # the stage's MLflow run, for per-step metrics
+    init_dir: str | None = None  # pretrain: start from these weights
+    student_dir: str | None = None
+    teacher_dir: str | None = None
+    rdzv_id: str = ""  # names the rendezvous of a multi-process run
 
 
-def threads_per_process(cfg: Config) -> int:
-    return cfg.train.threads or max(1, available_cores() // cfg.train.nproc_per_node)
+class TrainingResult(BaseModel):
+    """Rank 0's summary of a finished training (result.json); the per-step history is history.jsonl."""
+
+    steps: int
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    mfu: float
+    val_loss: float
+    val_bpb: float
+    peak_rss_mb: float
+    resumed_from: int | None = None
 
 
-def settings(cfg: Config, dtype: torch.dtype, peak_flops: float) -> TrainSettings:
-    t = cfg.train
+def threads_per_process(train_cfg: TrainConfig) -> int:
+    return train_cfg.threads or max(1, available_cores() // train_cfg.nproc_per_node)
+
+
+def settings(t: TrainConfig, dtype: torch.dtype, peak_flops: float) -> TrainSettings:
     return TrainSettings(
         batch_size=t.batch_size, grad_accum=t.grad_accum, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
         weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip, max_tokens=t.max_tokens,
@@ -64,26 +92,16 @@ def settings(cfg: Config, dtype: torch.dtype, peak_flops: float) -> TrainSetting
     )
 
 
-def recover_settings(cfg: Config, dtype: torch.dtype, peak_flops: float) -> TrainSettings:
+def recover_settings(t: TrainConfig, r: RecoverConfig, dtype: torch.dtype, peak_flops: float) -> TrainSettings:
     """Pretraining's engine settings with recovery's budget and learning rate."""
-    r = cfg.recover
-    return replace(settings(cfg, dtype, peak_flops), lr=r.lr, min_lr=r.lr / 10,
-                   warmup_steps=min(cfg.train.warmup_steps, 10), max_tokens=r.max_tokens, max_steps=r.max_steps,
+    return replace(settings(t, dtype, peak_flops), lr=r.lr, min_lr=r.lr / 10,
+                   warmup_steps=min(t.warmup_steps, 10), max_tokens=r.max_tokens, max_steps=r.max_steps,
                    max_minutes=r.max_minutes,
-                   seed=cfg.train.seed + 1)  # a data stream of its own, not a replay of pretraining's first steps
+                   seed=t.seed + 1)  # a data stream of its own, not a replay of pretraining's first steps
 
 
-def world_size(cfg: Config) -> int:
-    return cfg.train.nproc_per_node * cfg.train.nnodes
-
-
-def trained_shapes(kind: str, cfg: Config, tokenize_dir: Path | str,
-                   **model_dirs: Path) -> tuple[LlamaConfig, LlamaConfig | None]:
-    """(model trained, teacher or None) for a spec's kind, read from the configs on disk."""
-    if kind == "recover":
-        return read_config(Path(model_dirs["student_dir"])), read_config(Path(model_dirs["teacher_dir"]))
-    vocab = open_shards(Path(tokenize_dir), cfg.model.block_size).vocab_size
-    return model_config(cfg, vocab), None
+def world_size(train_cfg: TrainConfig) -> int:
+    return train_cfg.nproc_per_node * train_cfg.nnodes
 
 
 def training_flops_per_token(model_cfg: LlamaConfig, teacher_cfg: LlamaConfig | None = None) -> float:
@@ -93,111 +111,116 @@ def training_flops_per_token(model_cfg: LlamaConfig, teacher_cfg: LlamaConfig | 
     return flops + flops_per_token(teacher_cfg, backward=False) if teacher_cfg is not None else flops
 
 
-def training_spec(kind: str, cfg: Config, tokenize_dir: Path | str, out_dir: Path, run_id: str,
-                  ctx: StageContext, **model_dirs: Path) -> dict[str, Any]:
-    """What run_training needs, as JSON (it may cross into torchrun workers). The precision is
-    decided here, once (measured A/B under precision=auto), and MFU's denominator is the matmul
-    peak of that precision."""
-    threads = threads_per_process(cfg)
-    model_cfg, teacher_cfg = trained_shapes(kind, cfg, tokenize_dir, **model_dirs)
-    precision = choose_precision(cfg.train.precision, model_cfg, cfg.train.batch_size, threads, ctx.cache_dir,
-                                 teacher_cfg)
+def training_spec(kind: Literal["pretrain", "recover"], train_cfg: TrainConfig, tokenize_dir: Path | str,
+                  out_dir: Path, run_id: str | None, cache_dir: Path, tracking_uri: str = "", *,
+                  model: LlamaConfig | None = None, recover: RecoverConfig | None = None,
+                  **model_dirs: Path) -> TrainingSpec:
+    """The spec of one training. The precision is decided here, once (measured A/B under
+    precision=auto), and MFU's denominator is the matmul peak of that precision."""
+    threads = threads_per_process(train_cfg)
+    if kind == "recover":
+        model_cfg, teacher_cfg = read_config(Path(model_dirs["student_dir"])), read_config(Path(model_dirs["teacher_dir"]))
+    else:
+        model_cfg, teacher_cfg = model, None
+    precision = choose_precision(train_cfg.precision, model_cfg, train_cfg.batch_size, threads, cache_dir, teacher_cfg)
     dtype = precision["dtype"]
-    return {
-        "kind": kind, "config": cfg.model_dump(mode="json"), "tokenize_dir": str(tokenize_dir),
-        "out_dir": str(out_dir), "threads": threads, "dtype": dtype, "precision": precision,
-        "peak_flops": matmul_peak(threads, ctx.cache_dir, getattr(torch, dtype)),
-        "flops_per_token": training_flops_per_token(model_cfg, teacher_cfg),
-        "tracking_uri": ctx.tracking_uri, "run_id": run_id,
+    return TrainingSpec(
+        kind=kind, train=train_cfg, recover=recover, model=model if kind == "pretrain" else None,
+        tokenize_dir=str(tokenize_dir), out_dir=str(out_dir), threads=threads, dtype=dtype, precision=precision,
+        peak_flops=matmul_peak(threads, cache_dir, getattr(torch, dtype)),
+        flops_per_token=training_flops_per_token(model_cfg, teacher_cfg), tracking_uri=tracking_uri, run_id=run_id,
         **{name: str(path) for name, path in model_dirs.items()},
-    }
+    )
 
 
-def precision_params(spec: dict[str, Any]) -> dict[str, Any]:
+def precision_params(spec: TrainingSpec) -> dict[str, Any]:
     """What a training stage logs to MLflow about its precision: the choice, why, and its peak."""
-    p = spec.get("precision") or {}
-    return {"precision": spec["dtype"], "precision_choice": p.get("reason", ""),
-            "matmul_peak_gflops": round(spec["peak_flops"] / 1e9, 1), "matmul_peak_dtype": spec["dtype"]}
+    return {"precision": spec.dtype, "precision_choice": spec.precision.get("reason", ""),
+            "matmul_peak_gflops": round(spec.peak_flops / 1e9, 1), "matmul_peak_dtype": spec.dtype}
 
 
-def precision_metrics(spec: dict[str, Any]) -> dict[str, float]:
+def precision_metrics(spec: TrainingSpec) -> dict[str, float]:
     """The A/B's figures (tokens/s of a training step per precision), where they were measured."""
-    p = spec.get("precision") or {}
-    return {f"precision_{name}_tok_s": p[f"{name}_tok_s"] for name in ("fp32", "bf16")
-            if p.get(f"{name}_tok_s") is not None}
+    return {f"precision_{name}_tok_s": spec.precision[f"{name}_tok_s"] for name in ("fp32", "bf16")
+            if spec.precision.get(f"{name}_tok_s") is not None}
 
 
-def execute(spec: dict[str, Any], cfg: Config) -> dict[str, Any]:
-    """Train as the spec says, here or under torchrun; returns rank 0's result summary. Holds one of
+def execute(spec: TrainingSpec) -> TrainingResult:
+    """Train as the spec says, here or under torchrun; returns rank 0's result. Holds one of
     this machine's training slots meanwhile, waiting for one if they are all taken."""
-    out_dir = Path(spec["out_dir"])
-    with training_slot(f"{spec['kind']} {out_dir.name}"):
-        if world_size(cfg) > 1:
+    out_dir = Path(spec.out_dir)
+    with training_slot(f"{spec.kind} {out_dir.name}"):
+        if world_size(spec.train) > 1:
             # The stage's folder (stage name and key) names the rendezvous: the same on every machine,
             # and another stage or config never joins it by mistake.
-            spec = {**spec, "rdzv_id": out_dir.name.removesuffix(".partial")}
+            spec = spec.model_copy(update={"rdzv_id": out_dir.name.removesuffix(".partial")})
             spec_path = out_dir / "launch.json"
-            atomic_write_json(spec_path, spec)
-            launch_torchrun(cfg, spec_path, spec["rdzv_id"])
-            return json.loads((out_dir / "result.json").read_text())
-        return run_training(spec)
+            atomic_write_text(spec_path, spec.model_dump_json(indent=2))
+            launch_torchrun(spec.train, spec_path, spec.rdzv_id)
+            return TrainingResult.model_validate_json((out_dir / "result.json").read_text())
+        result = run_training(spec)
+        assert result is not None  # this process is rank 0
+        return result
 
 
-def _build(spec: dict[str, Any], cfg: Config, vocab_size: int):
+def _build(spec: TrainingSpec):
     """(model to train, loss function, settings) for the spec's kind."""
-    dtype = getattr(torch, spec["dtype"])
-    if spec["kind"] == "recover":
-        student, teacher = load_model(Path(spec["student_dir"])), load_model(Path(spec["teacher_dir"]))
-        r = cfg.recover
+    dtype = getattr(torch, spec.dtype)
+    if spec.kind == "recover":
+        assert spec.recover is not None and spec.student_dir and spec.teacher_dir
+        student, teacher = load_model(Path(spec.student_dir)), load_model(Path(spec.teacher_dir))
+        r = spec.recover
         return student, distillation_loss(teacher, r.temperature, r.kd_weight, r.lm_weight), \
-            replace(recover_settings(cfg, dtype, spec["peak_flops"]),
+            replace(recover_settings(spec.train, r, dtype, spec.peak_flops),
                     flops_per_token=training_flops_per_token(student.cfg, teacher.cfg))
-    expected = model_config(cfg, vocab_size)
+    assert spec.model is not None
     # Continued pretraining starts from given weights (a checkpoint found later still takes precedence).
-    model = load_model(Path(spec["init_dir"]), expect=expected) if spec.get("init_dir") else Llama(expected)
-    return model, lm_loss, settings(cfg, dtype, spec["peak_flops"])
+    model = load_model(Path(spec.init_dir), expect=spec.model) if spec.init_dir else Llama(spec.model)
+    return model, lm_loss, settings(spec.train, dtype, spec.peak_flops)
 
 
-def run_training(spec: dict[str, Any]) -> dict[str, Any]:
-    """Build the model and train it. Runs in this process, or in each torchrun worker."""
+def run_training(spec: TrainingSpec | dict[str, Any]) -> TrainingResult | None:
+    """Build the model and train it. Runs in this process, or in each torchrun worker (rank 0
+    returns the result, the others None)."""
     import torch.distributed as dist
 
-    cfg = Config.model_validate(spec["config"])
+    spec = TrainingSpec.model_validate(spec)
+    t = spec.train
     rank = dist.get_rank() if dist.is_initialized() else 0
-    torch.set_num_threads(spec["threads"])
-    torch.manual_seed(cfg.train.seed)
-    shards = open_shards(Path(spec["tokenize_dir"]), cfg.model.block_size)
-    model, loss_fn, train_settings = _build(spec, cfg, shards.vocab_size)
+    torch.set_num_threads(spec.threads)
+    torch.manual_seed(t.seed)
+    model, loss_fn, train_settings = _build(spec)
     block = model.cfg.block_size
-    model.activation_checkpointing = cfg.train.activation_checkpointing
-    if cfg.train.compile:
+    shards = open_shards(Path(spec.tokenize_dir), block)
+    model.activation_checkpointing = t.activation_checkpointing
+    if t.compile:
         model.forward = torch.compile(model.forward)  # type: ignore[method-assign]
-    out_dir = Path(spec["out_dir"])
+    out_dir = Path(spec.out_dir)
     byte_lengths = token_byte_lengths(shards.tokenizer_path)
-    val = val_batches(shards.val, cfg.train.eval_batches, cfg.train.batch_size, block)
-    logger = tracking.MetricLogger(spec["tracking_uri"], spec["run_id"]) if rank == 0 and spec.get("run_id") else None
+    val = val_batches(shards.val, t.eval_batches, t.batch_size, block)
+    logger = tracking.MetricLogger(spec.tracking_uri, spec.run_id) if rank == 0 and spec.run_id else None
 
     quiet = contextlib.nullcontext(lambda fraction, status: None)  # only rank 0 draws progress
-    with budget_bar(spec["kind"]) if rank == 0 else quiet as update:
+    with budget_bar(spec.kind) if rank == 0 else quiet as update:
         result = train(model, shards.train, val, byte_lengths, train_settings, out_dir / "checkpoints",
                        loss_fn=loss_fn, log_metrics=logger, on_progress=update)
     if logger:
         logger.flush()
     weights = sharding.full_weights(model)  # every rank takes part when the model is sharded
-    if rank == 0:
-        save_model(model, out_dir / "model", extra={"dtype": spec["dtype"]}, weights=weights)
-        shutil.copy(shards.tokenizer_path, out_dir / "model" / "tokenizer.json")
-        atomic_write_text(out_dir / "history.jsonl", "".join(json.dumps(h) + "\n" for h in result.history))
-        summary = {k: v for k, v in asdict(result).items() if k != "history"}
-        atomic_write_json(out_dir / "result.json", summary)
-        return summary
-    return {}
+    if rank != 0:
+        return None
+    save_model(model, out_dir / "model", extra={"dtype": spec.dtype}, weights=weights)
+    shutil.copy(shards.tokenizer_path, out_dir / "model" / "tokenizer.json")
+    atomic_write_text(out_dir / "history.jsonl", "".join(json.dumps(h) + "\n" for h in result.history))
+    summary = TrainingResult(**{k: v for k, v in asdict(result).items() if k != "history"})
+    atomic_write_text(out_dir / "result.json", summary.model_dump_json(indent=2))
+    return summary
 
 
-def launch_torchrun(cfg: Config, spec_path: Path, rdzv_id: str) -> None:
+def launch_torchrun(train_cfg: TrainConfig, spec_path: Path, rdzv_id: str) -> None:
     """Run cpuforge.tasks.engine.distributed under torchrun; every process trains, rank 0 writes the outputs."""
-    cmd, network = torchrun_command(cfg, spec_path, rdzv_id)
-    env = {**network, **os.environ, "OMP_NUM_THREADS": str(threads_per_process(cfg))}  # a GLOO_SOCKET_IFNAME set wins
+    cmd, network = torchrun_command(train_cfg, spec_path, rdzv_id)
+    env = {**network, **os.environ, "OMP_NUM_THREADS": str(threads_per_process(train_cfg))}  # a GLOO_SOCKET_IFNAME set wins
     log.info("launching: %s", " ".join(cmd))
     # A session of its own, so that when this process is stopped (SIGTERM, Ctrl-C, a cancellation)
     # torchrun and every worker it started are stopped with it instead of training on as orphans.
@@ -225,9 +248,9 @@ def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 def join(spec_path: Path) -> None:
     """Another machine's share of a multi-machine run: the same torchrun, from the stage's launch.json."""
-    spec = json.loads(spec_path.read_text())
-    with training_slot(f"{spec['kind']} {spec['rdzv_id']} (joined)"):
-        launch_torchrun(Config.model_validate(spec["config"]), spec_path, spec["rdzv_id"])
+    spec = TrainingSpec.model_validate_json(spec_path.read_text())
+    with training_slot(f"{spec.kind} {spec.rdzv_id} (joined)"):
+        launch_torchrun(spec.train, spec_path, spec.rdzv_id)
 
 
 if __name__ == "__main__":  # python -m cpuforge.tasks.engine.training_run /shared/work/stages/<stage>-<key>.partial/launch.json

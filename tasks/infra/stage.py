@@ -1,8 +1,10 @@
 """Running one stage: key it, reuse it if the store has it, else build it, and track it either way.
 
-Every stage module defines a ``SPEC`` and a plain function ``work(out_dir, run_id) -> StageOutput``
-(``run_id``: the stage's MLflow run, for per-step metrics);
-``run_stage`` does the rest, so the caching, atomicity and tracking rules live in one place.
+Every stage module defines ``SPEC`` (its entry in tasks/stages.py) and a plain function
+``work(run: StageRun, <one argument per declared config section>) -> StageOutput``. The work function
+gets its declared sections (typed) and its inputs' records, nothing else, so it cannot read a
+setting that is not in its key. ``run_stage`` does the rest, so the caching, atomicity and tracking
+rules live in one place.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from cpuforge.tasks.config import Config
 from cpuforge.tasks.errors import UserError
@@ -51,12 +53,16 @@ SERVICE_RETRIES: dict[str, Any] = {"retries": 2, "retry_delay_seconds": 5, "retr
 @dataclass(frozen=True)
 class StageSpec:
     name: str
-    version: str  # bump when the stage's output for the same inputs changes
-    sections: tuple[str, ...]  # the config sections that determine its output
-    module: str = ""  # the stage's module: the hash of its source and of what it imports is in the key
+    version: str  # an explicit override: bump when the output changes for the same inputs and code
+    sections: tuple[str, ...]  # the config sections that determine its output: its work function's arguments
+    module: str  # the stage's module: the hash of its source and of what it imports is in the key
     needs: tuple[str, ...] = ()  # the stages whose records it takes (their keys are in its key)
+    provides: tuple[str, ...] = ()  # the named outputs later stages may read (StageRecord.path(name))
     resumable: bool = False  # keep an interrupted attempt's partial folder (training resumes from its checkpoints)
-
+    kind: Literal["plain", "training", "service"] = "plain"  # what a retry can help with (tasks/infra/runner.py)
+    evaluates: tuple[str, str] | None = None  # (variant name, output) that evaluate measures, e.g. ("pruned", "model")
+    stands_for: str = ""  # the stage whose place it takes in a flow: adopt hands its record on as "pretrain"
+    extra: Literal["", "corpus", "source"] = ""  # what else its key holds: the corpus' files, or the source weights
 
 
 @dataclass
@@ -66,7 +72,26 @@ class StageOutput:
     metrics: dict[str, float | int]
     files: dict[str, str]
     artifacts: list[str] = field(default_factory=list)  # names in out_dir to log to MLflow
-    info: dict[str, Any] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)  # small facts, logged as the run's stage_info.json
+    summary: dict[str, Any] = field(default_factory=dict)  # more fields for the stage's entry in the run summary
+    dataset: dict[str, Any] | None = None  # the data it read, logged as an MLflow dataset input
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """One build of a stage, as its work function sees it: where to write, its inputs, and the run's
+    surroundings (which never change what it builds)."""
+
+    out_dir: Path  # the stage's partial folder; committed atomically when work returns
+    run_id: str  # the stage's MLflow run, for per-step metrics
+    inputs: dict[str, StageRecord]  # by the names in StageSpec.needs
+    workdir: Path
+    tracking_uri: str = ""
+    source: Any = None  # the pretrained weights the run starts from (tasks/lineage.py PretrainedSource), if any
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.workdir / "cache"
 
 
 @dataclass
@@ -94,6 +119,7 @@ class StageContext:
 # next week are not mistaken for the same weights, and a run that resolves to no weights at all
 # matches one that never asked.
 NOT_IN_KEY = {"train": ("init_from", "max_restarts"), "tokenizer": ("path",),
+              "model": ("size",),  # the shape it names is in the key, field by field
               # where and in how many pieces the shards are encoded: they are the same bytes either way
               "data": ("encode_runner", "dask_address", "encode_workers", "piece_bytes")}
 
@@ -126,10 +152,12 @@ def key_of(spec: StageSpec, parts: dict[str, Any]) -> str:
 def run_stage(
     spec: StageSpec,
     ctx: StageContext,
-    work: Callable[[Path, str], StageOutput],
+    work: Callable[..., StageOutput],
     inputs: dict[str, StageRecord] | None = None,
     extra_key: Any = None,
+    source: Any = None,
 ) -> StageRecord:
+    """Reuse the stage's output, or build it with ``work(run, **its declared config sections)``."""
     inputs = inputs or {}
     if set(inputs) != set(spec.needs):
         raise ValueError(f"stage {spec.name} declares inputs {spec.needs}, was given {tuple(inputs)}")
@@ -153,16 +181,21 @@ def run_stage(
     with store.building(spec.name, key, spec.resumable, rebuild=rebuild) as partial:
         if partial is not None:
             with tracking.stage_run(spec.name, ctx.parent_run_id, params, key, ctx.cfg.tracking.system_metrics) as run_id:
-                output = work(partial, run_id)
+                run = StageRun(partial, run_id, inputs, ctx.workdir, ctx.tracking_uri, source)
+                output = work(run, **{section: getattr(ctx.cfg, section) for section in spec.sections})
+                missing = set(spec.provides) - set(output.files)
+                if missing:
+                    raise RuntimeError(f"stage {spec.name} declares outputs it did not write: {', '.join(sorted(missing))}")
                 seconds = round(time.perf_counter() - started, 3)
                 record = store.commit(
                     partial,
                     StageRecord(
                         stage=spec.name, key=key, output_dir=str(partial), seconds=seconds, build_seconds=seconds,
-                        metrics=output.metrics, files=output.files, info=output.info, mlflow_run_id=run_id,
-                        key_parts=parts,
+                        metrics=output.metrics, files=output.files, info=output.info, summary=output.summary,
+                        dataset=output.dataset, mlflow_run_id=run_id, key_parts=parts,
                     ),
                 )
-                tracking.log_stage_result(run_id, output.metrics, Path(record.output_dir), output.artifacts, output.info)
+                tracking.log_stage_result(run_id, output.metrics, Path(record.output_dir), output.artifacts, output.info,
+                                          output.dataset)
             return record
     return reuse(store.lookup(spec.name, key))  # built by another process while this one waited

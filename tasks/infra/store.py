@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, model_validator
 
 from cpuforge.models.fileio import atomic_write_text
 from cpuforge.tasks.infra.locks import hold
@@ -41,11 +41,25 @@ class StageRecord(BaseModel):
     metrics: dict[str, float | int] = {}
     files: dict[str, str] = {}  # role -> file name inside output_dir
     info: dict[str, Any] = {}  # small extra facts (choices made, warnings), JSON-serialisable
+    summary: dict[str, Any] = {}  # more fields for the stage's entry in the run summary (evaluate's "variants")
+    dataset: dict[str, Any] | None = None  # the data the stage read (tokenize), for MLflow's dataset inputs
     mlflow_run_id: str | None = None  # the run that produced the output
     # What the key was computed from (version, config sections, input keys, extra, module hashes):
     # `cpuforge plan` compares them to say why a stage would be built again.
     key_parts: dict[str, Any] = {}
     created_at: str = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_older_records(cls, data: Any) -> Any:
+        """Records written before `summary` and `dataset` were fields kept them in `info`."""
+        if isinstance(data, dict) and isinstance(data.get("info"), dict):
+            info = dict(data["info"])
+            for name in ("summary", "dataset"):
+                if name in info and name not in data:
+                    data = {**data, name: info.pop(name), "info": info}
+                    info = dict(data["info"])
+        return data
 
     def path(self, role: str) -> Path:
         return Path(self.output_dir) / self.files[role]

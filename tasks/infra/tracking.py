@@ -177,7 +177,8 @@ def stage_run(stage: str, parent_run_id: str | None, params: dict[str, Any], key
         yield run.info.run_id
 
 
-def log_stage_result(run_id: str, metrics: dict[str, float], output_dir: Path, artifacts: list[str], info: dict[str, Any]) -> None:
+def log_stage_result(run_id: str, metrics: dict[str, float], output_dir: Path, artifacts: list[str], info: dict[str, Any],
+                     dataset: dict[str, Any] | None = None) -> None:
     client = _mlflow().MlflowClient()
     client.log_batch(run_id, metrics=_metric_batch(metrics, step=0))
     for name in artifacts:
@@ -188,8 +189,8 @@ def log_stage_result(run_id: str, metrics: dict[str, float], output_dir: Path, a
             client.log_artifact(run_id, str(path))
     if info:
         client.log_dict(run_id, info, "stage_info.json")
-    if "dataset" in info:
-        _log_dataset(run_id, info["dataset"])
+    if dataset:
+        _log_dataset(run_id, dataset)
 
 
 def log_cached_stage(stage: str, parent_run_id: str | None, params: dict[str, Any], key: str,

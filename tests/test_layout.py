@@ -1,0 +1,80 @@
+"""The shape of the code, checked from its source: imports flow flows -> tasks -> models with no
+cycles, the pipeline's infrastructure and the training engine import no stage, and MLflow is
+reached only through tasks/infra/ (design.md)."""
+
+from __future__ import annotations
+
+from cpuforge.tasks.infra.codehash import PROJECT_PACKAGES, ROOT, _imports
+
+STAGE_MODULES = {"tokenize", "pretrain", "adopt", "prune", "recover", "export", "quantize", "evaluate", "registry"}
+
+
+def project_modules() -> list[str]:
+    modules = []
+    for package in PROJECT_PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules.append(".".join(("cpuforge", *(parts[:-1] if parts[-1] == "__init__" else parts))))
+    return modules
+
+
+def graph() -> dict[str, set[str]]:
+    modules = set(project_modules())
+    return {m: {i for i in _imports(m) if i in modules and i != m} for m in modules}
+
+
+def test_no_import_cycles():
+    edges = graph()
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in edges[module]:
+            if state.get(target) == 1:
+                cycles.append(path[path.index(target):] + [target] if target in path else [module, target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = 2
+
+    for module in edges:
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, cycles
+
+
+def test_imports_flow_flows_tasks_models():
+    for module, targets in graph().items():
+        layer = module.split(".")[1]
+        allowed = {"flows": {"flows", "tasks", "models"}, "tasks": {"tasks", "models"}, "models": {"models"}}[layer]
+        assert {t.split(".")[1] for t in targets} <= allowed, (module, targets)
+
+
+def test_infrastructure_and_engine_import_no_stage():
+    for module, targets in graph().items():
+        if module.startswith(("cpuforge.tasks.infra.", "cpuforge.tasks.engine.")):
+            stages_used = {t for t in targets if t.count(".") == 2 and t.rsplit(".", 1)[1] in STAGE_MODULES}
+            assert not stages_used, (module, stages_used)
+        if module.startswith("cpuforge.tasks.infra."):
+            assert not any(t.startswith("cpuforge.tasks.engine.") for t in targets), module
+
+
+def _imports_package(path, package: str) -> bool:
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        if any(n == package or n.startswith(package + ".") for n in names):
+            return True
+    return False
+
+
+def test_mlflow_only_through_the_infrastructure_and_models_stay_pure():
+    for package in PROJECT_PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            rel = path.relative_to(ROOT).as_posix()
+            if _imports_package(path, "mlflow"):
+                assert rel.startswith("tasks/infra/"), f"{rel} imports mlflow: go through tasks/infra/tracking.py"
+            if rel.startswith("models/"):
+                assert not _imports_package(path, "prefect") and not _imports_package(path, "mlflow"), rel
