@@ -37,6 +37,7 @@ from cpuforge.tasks.infra.publish import finish_stage
 from cpuforge.tasks.infra.stage import TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, run_stage
 from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.lineage import PretrainedSource
+from cpuforge.tasks.model_card import write_model_card
 from cpuforge.tasks.reports import training_reports
 
 log = logging.getLogger("cpuforge.pretrain")
@@ -69,6 +70,7 @@ def pretrain(cfg: Config, tokenized: StageRecord, out_dir: Path, run_id: str, ct
         "matmul_peak_gflops": round(peak / 1e9, 1), "world_size": world, "threads": threads,
         "flops_per_token": spec["flops_per_token"], **precision_metrics(spec),
     }
+    write_model_card(out_dir / "model", cfg, ("tokenize", "pretrain"), tokenized, metrics, init.origin if init else "")
     log.info("pretrained %s params on %s tokens: val bpb %.3f (unigram baseline %.3f)",
              f"{metrics['params']:,}", f"{metrics['tokens']:,}", metrics["val_bpb"], baseline)
     return StageOutput(

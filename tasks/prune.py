@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -26,6 +25,7 @@ from prefect.states import State
 from cpuforge.models.checkpoint import load_model, save_model
 from cpuforge.models.config import LlamaConfig, ModelConfigError
 from cpuforge.models.fileio import atomic_write_json, atomic_write_text
+from cpuforge.models.hf_format import write_tokenizer
 from cpuforge.models.importance import Importance, activation_importance
 from cpuforge.models.llama import config_param_count, param_count
 from cpuforge.models.prune import check_target, choose_keep, prune
@@ -37,6 +37,7 @@ from cpuforge.tasks.errors import ConfigError
 from cpuforge.tasks.infra.publish import finish_stage
 from cpuforge.tasks.infra.stage import StageContext, StageOutput, run_stage
 from cpuforge.tasks.infra.store import StageRecord
+from cpuforge.tasks.model_card import write_model_card
 from cpuforge.tasks.reports import samples_from_folder
 
 log = logging.getLogger("cpuforge.prune")
@@ -115,7 +116,7 @@ def prune_stage(cfg: Config, tokenized: StageRecord, pretrained: StageRecord, ou
     _, bpb_after = evaluate(student, val, lengths)
 
     save_model(student, out_dir / "model")
-    shutil.copy(pretrained.path("tokenizer"), out_dir / "model" / "tokenizer.json")
+    write_tokenizer(out_dir / "model", pretrained.path("tokenizer"), shards.meta["eod_token"], shards.eod_id)
     choices = {
         "strategy": "explicit" if any(getattr(cfg.prune, k) for k in ("n_layer", "n_head", "n_kv_head", "d_model", "d_mlp"))
         else cfg.prune.strategy,
@@ -128,6 +129,8 @@ def prune_stage(cfg: Config, tokenized: StageRecord, pretrained: StageRecord, ou
     atomic_write_text(out_dir / "samples.txt", samples_from_folder(out_dir / "model", cfg, shards.eod_id))
     plot_importance(imp, keep, out_dir / "importance.png")
     params_before, params_after = param_count(teacher), param_count(student)
+    write_model_card(out_dir / "model", cfg, (pretrained.stage, "prune"), tokenized,
+                     {"val_bpb_after": bpb_after, "params": params_after})
     log.info("pruned %s -> %s parameters (%.0f%%): val bpb %.3f -> %.3f",
              f"{params_before:,}", f"{params_after:,}", 100 * params_after / params_before, bpb_before, bpb_after)
     return StageOutput(

@@ -27,6 +27,7 @@ from cpuforge.tasks.infra import tracking
 from cpuforge.tasks.infra.publish import finish_stage
 from cpuforge.tasks.infra.stage import TRAINING_RETRIES, TRAINING_TAG, StageContext, StageOutput, run_stage
 from cpuforge.tasks.infra.store import StageRecord
+from cpuforge.tasks.model_card import write_model_card
 from cpuforge.tasks.reports import training_reports
 
 log = logging.getLogger("cpuforge.recover")
@@ -48,19 +49,21 @@ def recover(cfg: Config, tokenized: StageRecord, pretrained: StageRecord, pruned
     result = execute(spec, cfg)
     training_reports(out_dir, cfg, shards.eod_id)
     pretrain_tokens = pretrained.metrics.get("tokens", 0)
+    metrics = {"tokens": result["tokens"], "steps": result["steps"], "val_loss": round(result["val_loss"], 4),
+               "val_bpb": round(result["val_bpb"], 4), "params": config_param_count(student_cfg),
+               "tokens_vs_pretrain": round(result["tokens"] / max(1, pretrain_tokens), 4),
+               "tokens_per_s": round(result["tokens_per_s"], 1), "peak_rss_mb": round(result["peak_rss_mb"], 1),
+               "seconds": round(time.perf_counter() - started, 2), "world_size": world_size(cfg),
+               # MFU counts the teacher's forward passes too: the step computes them
+               "mfu": round(result["mfu"], 4), "flops_per_token": spec["flops_per_token"],
+               "teacher_forward_flops_per_token": flops_per_token(teacher_cfg, backward=False),
+               "matmul_peak_gflops": round(spec["peak_flops"] / 1e9, 1), **precision_metrics(spec)}
+    write_model_card(out_dir / "model", cfg, (pretrained.stage, "prune", "recover"), tokenized, metrics)
     log.info("recovered on %s tokens (%.0f%% of pretraining): val bpb %.3f (right after pruning %.3f)",
              f"{result['tokens']:,}", 100 * result["tokens"] / max(1, pretrain_tokens), result["val_bpb"],
              pruned.metrics.get("val_bpb_after", float("nan")))
     return StageOutput(
-        metrics={"tokens": result["tokens"], "steps": result["steps"], "val_loss": round(result["val_loss"], 4),
-                 "val_bpb": round(result["val_bpb"], 4), "params": config_param_count(student_cfg),
-                 "tokens_vs_pretrain": round(result["tokens"] / max(1, pretrain_tokens), 4),
-                 "tokens_per_s": round(result["tokens_per_s"], 1), "peak_rss_mb": round(result["peak_rss_mb"], 1),
-                 "seconds": round(time.perf_counter() - started, 2), "world_size": world_size(cfg),
-                 # MFU counts the teacher's forward passes too: the step computes them
-                 "mfu": round(result["mfu"], 4), "flops_per_token": spec["flops_per_token"],
-                 "teacher_forward_flops_per_token": flops_per_token(teacher_cfg, backward=False),
-                 "matmul_peak_gflops": round(spec["peak_flops"] / 1e9, 1), **precision_metrics(spec)},
+        metrics=metrics,
         files={"model": "model", "tokenizer": "model/tokenizer.json", "checkpoints": "checkpoints",
                "loss_curve": "loss_curve.png", "history": "history.jsonl", "samples": "samples.txt"},
         artifacts=["model", "loss_curve.png", "samples.txt"],

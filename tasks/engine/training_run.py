@@ -13,7 +13,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import torch
 from cpuforge.models.checkpoint import load_model, read_config, save_model
 from cpuforge.models.config import LlamaConfig, ModelConfigError
 from cpuforge.models.fileio import atomic_write_json, atomic_write_text
+from cpuforge.models.hf_format import write_tokenizer
 from cpuforge.models.llama import Llama, flops_per_token
 from cpuforge.tasks.config import Config
 from cpuforge.tasks.engine import sharding
@@ -186,7 +186,7 @@ def run_training(spec: dict[str, Any]) -> dict[str, Any]:
     weights = sharding.full_weights(model)  # every rank takes part when the model is sharded
     if rank == 0:
         save_model(model, out_dir / "model", extra={"dtype": spec["dtype"]}, weights=weights)
-        shutil.copy(shards.tokenizer_path, out_dir / "model" / "tokenizer.json")
+        write_tokenizer(out_dir / "model", shards.tokenizer_path, shards.meta["eod_token"], shards.eod_id)
         atomic_write_text(out_dir / "history.jsonl", "".join(json.dumps(h) + "\n" for h in result.history))
         summary = {k: v for k, v in asdict(result).items() if k != "history"}
         atomic_write_json(out_dir / "result.json", summary)
