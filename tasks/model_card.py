@@ -14,7 +14,7 @@ from cpuforge.models.fileio import atomic_write_text
 from cpuforge.models.llama import config_param_count
 from cpuforge.tasks import stages
 from cpuforge.tasks.config import Config
-from cpuforge.tasks.infra.stage import stage_params
+from cpuforge.tasks.infra.stage import stage_config
 from cpuforge.tasks.infra.store import StageRecord
 
 
@@ -39,8 +39,9 @@ def write_model_card(model_dir: Path, cfg: Config, chain: tuple[str, ...], token
         rows.append(("started from", origin))
     steps = []
     for i, name in enumerate(chain, 1):
-        settings = ", ".join(f"`{k}={v}`" for k, v in stage_params(cfg, stages.BY_NAME[name]).items()
-                             if v not in (None, "", [], {}))
+        # what determines the stage's output (its key), not where or how it ran
+        settings = ", ".join(f"`{section}.{k}={v}`" for section, values in stage_config(cfg, stages.BY_NAME[name]).items()
+                             for k, v in values.items() if v not in (None, "", [], {}))
         steps.append(f"{i}. **{name}**: {settings}")
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     text = f"""---
