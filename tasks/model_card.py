@@ -41,7 +41,10 @@ def write_model_card(model_dir: Path, cfg: Config, chain: tuple[str, ...], token
     for i, name in enumerate(chain, 1):
         # what determines the stage's output (its key), not where or how it ran
         settings = ", ".join(f"`{section}.{k}={v}`" for section, values in stage_config(cfg, stages.BY_NAME[name]).items()
-                             for k, v in values.items() if v not in (None, "", [], {}))
+                             for k, v in values.items() if v not in (None, "", [], {})
+                             and not (cfg.tokenizer.path and section == "tokenizer" and k != "eod_token"))
+        if name == "tokenize" and cfg.tokenizer.path:  # the training settings of a tokenizer it did not train
+            settings += ", the given tokenizer (`tokenizer.path`)"
         steps.append(f"{i}. **{name}**: {settings}")
     table = "\n".join(f"| {k} | {v} |" for k, v in rows)
     text = f"""---
