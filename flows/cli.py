@@ -80,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     run_args(comp)
     comp.add_argument("--pretrained", default="champion", metavar="SOURCE",
                       help="'champion' (default: the registered champion's pretrained weights), runs:/RUN_ID/model, "
-                           "or a pretrain stage output or model folder")
+                           "a pretrain stage output or model folder, or hf:DIR_OR_ID (a transformers Llama "
+                           "checkpoint with its tokenizer.json: a folder, or a Hugging Face Hub id)")
     comp.set_defaults(handler=_compress)
 
     show = sub.add_parser("config", help="print the resolved configuration and exit")
@@ -243,6 +244,10 @@ def _compress(args: argparse.Namespace) -> int:
     workdir = _checked_outputs(args)
     _rebuild_set(args.rebuild, stages.COMPRESS)
     cfg = _checked_config(args)  # the prune target is checked once the model's shape is known
+    if args.pretrained.startswith("hf:") and Path(args.pretrained[3:]).expanduser().is_dir():
+        from cpuforge.tasks.lineage import check_hf_checkpoint
+
+        check_hf_checkpoint(Path(args.pretrained[3:]).expanduser(), args.pretrained)  # in a second, before Prefect starts
     from cpuforge.flows.compress import compress
 
     return _run_flow(compress, pretrained=args.pretrained, profile=cfg.profile, config_file=args.config or "",

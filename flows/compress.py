@@ -41,7 +41,9 @@ def compress(
 
     Args:
         pretrained: the model to compress: 'champion' (the pretrained weights behind the registered champion),
-            runs:/RUN_ID/model (a pretrain stage's MLflow run), or a pretrain stage output or model folder on the worker.
+            runs:/RUN_ID/model (a pretrain stage's MLflow run), a pretrain stage output or model folder on the worker,
+            or hf:DIR_OR_ID: a transformers Llama checkpoint with its own tokenizer.json (a folder on the worker, or a
+            Hugging Face Hub id, downloaded once). Its eos token becomes the end-of-document token.
         profile: named profile for the other settings: tiny, demo or full.
         data_source: the corpus for recovery and evaluation; it is tokenized with the model's tokenizer.
             Empty: the profile's (stdlib).

@@ -1,6 +1,8 @@
 """Checkpoint I/O: safetensors weights + JSON config, verified on load.
 
-A model folder holds ``model.safetensors`` and ``config.json``. A training checkpoint adds
+A model folder holds ``model.safetensors`` and ``config.json`` in transformers' layout (see
+models/hf_format.py). Folders written by earlier versions (cpuforge's own config.json, with the
+model under "model", and cpuforge's tensor names) still load. A training checkpoint adds
 ``optimizer.pt`` and ``trainer.pt`` (loaded with ``weights_only=True``) and, written last,
 ``manifest.json`` with each file's size and sha256: a checkpoint without a manifest, or whose
 files do not match it, is incomplete or corrupted and is never resumed from.
@@ -22,6 +24,14 @@ from safetensors.torch import load_file, save_file
 
 from cpuforge.models.config import LlamaConfig, ModelConfigError
 from cpuforge.models.fileio import atomic_write_json, fsync_dir, sha256_file
+from cpuforge.models.hf_format import (
+    UnsupportedModel,
+    config_from_hf,
+    from_hf_names,
+    hf_config,
+    is_hf_config,
+    to_hf_names,
+)
 from cpuforge.models.llama import Llama
 
 log = logging.getLogger("cpuforge.checkpoint")
@@ -31,7 +41,7 @@ CONFIG = "config.json"
 OPTIMIZER = "optimizer.pt"
 TRAINER = "trainer.pt"
 MANIFEST = "manifest.json"
-FORMAT = 1
+FORMAT = 1  # of the training checkpoint's manifest, and of the config.json folders used to have
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -41,13 +51,14 @@ class CheckpointError(ValueError):
 
 def save_model(model: Llama, folder: Path, extra: dict[str, Any] | None = None,
                weights: dict[str, torch.Tensor] | None = None) -> None:
-    """Weights (the model's own, or ``weights``: e.g. gathered from shards) + config.json into folder."""
+    """Weights (the model's own, or ``weights``: e.g. gathered from shards) + config.json into folder,
+    as transformers' save_pretrained lays them out (``extra``: cpuforge's notes, under "cpuforge")."""
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in (model.state_dict() if weights is None else weights).items()}
     if model.cfg.tie_embeddings:
         state.pop("lm_head.weight")  # the same tensor as tok_emb.weight
-    save_file(state, str(folder / WEIGHTS), metadata={"format": str(FORMAT)})
-    atomic_write_json(folder / CONFIG, {"format": FORMAT, "model": model.cfg.to_dict(), **(extra or {})})
+    save_file(to_hf_names(state), str(folder / WEIGHTS), metadata={"format": "pt"})
+    atomic_write_json(folder / CONFIG, hf_config(model.cfg, extra))
 
 
 def read_config(folder: Path) -> LlamaConfig:
@@ -55,7 +66,10 @@ def read_config(folder: Path) -> LlamaConfig:
     if not path.is_file():
         raise CheckpointError(f"{folder} is not a cpuforge checkpoint: {CONFIG} is missing")
     try:
-        return LlamaConfig.from_dict(json.loads(path.read_text())["model"])
+        data = json.loads(path.read_text())
+        return config_from_hf(data) if is_hf_config(data) else LlamaConfig.from_dict(data["model"])
+    except UnsupportedModel as exc:
+        raise CheckpointError(f"{folder}: unsupported model: {exc}") from None
     except (json.JSONDecodeError, KeyError, TypeError, ModelConfigError) as exc:
         raise CheckpointError(f"{path} is not a valid model config: {exc}") from None
 
@@ -94,6 +108,9 @@ def _load_verified_weights(model: Llama, folder: Path) -> None:
         state = load_file(str(weights))
     except (SafetensorError, OSError, RuntimeError) as exc:
         raise CheckpointError(f"{weights} is truncated or corrupted ({exc})") from None
+    state = from_hf_names(state)  # a folder written by an earlier version has cpuforge's names already
+    if model.cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)  # some writers save the tied head too
     expected = {k: v.shape for k, v in model.state_dict().items()}
     if model.cfg.tie_embeddings:
         expected.pop("lm_head.weight")
@@ -131,7 +148,7 @@ def finish_checkpoint(root: Path, step: int, tmp: Path, cfg: LlamaConfig, traine
     """Complete a checkpoint whose weights and optimizer state are in `tmp` (full files, or the shards
     torch.distributed.checkpoint wrote): config, trainer state, a manifest of every file, rename."""
     if not (tmp / CONFIG).is_file():
-        atomic_write_json(tmp / CONFIG, {"format": FORMAT, "model": cfg.to_dict()})
+        atomic_write_json(tmp / CONFIG, hf_config(cfg))
     torch.save(trainer_state, tmp / TRAINER)
     files = {str(path.relative_to(tmp)): {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
              for path in sorted(tmp.rglob("*")) if path.is_file() and path.name != MANIFEST}

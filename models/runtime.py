@@ -209,7 +209,9 @@ def _load_torch(folder: Path) -> LanguageModel:
         raise ModelLoadError(f"{folder} has no {TOKENIZER}: the model cannot read or write text without the "
                              f"tokenizer it was trained with (copy it from the tokenize stage's output)")
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    return LanguageModel(TorchDecoder(model), tokenizer, _eod_of(tokenizer), "pytorch", folder,
+    eos = json.loads((folder / CONFIG).read_text()).get("eos_token_id")  # the transformers layout names it
+    eod = eos if isinstance(eos, int) else _eod_of(tokenizer)
+    return LanguageModel(TorchDecoder(model), tokenizer, eod, "pytorch", folder,
                          (folder / WEIGHTS).stat().st_size)
 
 

@@ -2,7 +2,9 @@
 
 A recurring run continues pretraining from the champion (``train.init_from=champion``), and
 the compression flow starts from an existing pretrained model. Both name a *source*: a model
-folder, an MLflow run's ``model`` artifact (``runs:/RUN_ID/model``), or ``champion``. The
+folder, an MLflow run's ``model`` artifact (``runs:/RUN_ID/model``), or ``champion``; the
+compression flow also takes ``hf:DIR_OR_ID``, a transformers Llama checkpoint with its own
+tokenizer (a folder, or a Hub id fetched with huggingface_hub). The
 champion itself is an int8 ONNX file that cannot be trained further, so every registered
 version carries lineage tags pointing at the run that holds its fp32 pretrained weights.
 """
@@ -32,6 +34,7 @@ from cpuforge.tasks.infra.stage import NOT_IN_KEY, SERVICE_RETRIES
 log = logging.getLogger("cpuforge.lineage")
 
 CHAMPION = "champion"
+HF_PREFIX = "hf:"
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 # Version tags written at registration (see lineage_tags).
 TAG_PRETRAIN_RUN = "cpuforge.pretrain_run_id"  # run whose artifact "model" holds the fp32 pretrained weights
@@ -48,6 +51,7 @@ class PretrainedSource:
     sha256: str  # of model.safetensors: names the weights in stage keys
     origin: str  # what was asked for and what it resolved to, for logs and the summary
     run_id: str | None = None  # the MLflow run holding them as artifact "model", when known
+    eod_token: str | None = None  # the model's own end-of-document (eos) token; None: the config's
 
     @property
     def tokenizer_path(self) -> str:
@@ -110,6 +114,8 @@ def resolve_source(spec: str, cfg: Config, workdir: Path) -> PretrainedSource:
         if path.strip("/") not in ("", "model"):
             raise ConfigError(f"{spec}: expected runs:/RUN_ID/model (a pretrain stage run's model artifact)")
         return _from_run(run_id, workdir, spec)
+    if spec.startswith(HF_PREFIX):
+        return _from_hf(spec.removeprefix(HF_PREFIX), workdir, spec)
     return _from_folder(confinement.confined("pretrained model folder", spec), spec)
 
 
@@ -157,6 +163,58 @@ def _from_run(run_id: str, workdir: Path, origin: str) -> PretrainedSource:
     return PretrainedSource(source.folder, source.sha256, f"{origin} (run {run_id})", run_id)
 
 
+def _from_hf(name: str, workdir: Path, origin: str) -> PretrainedSource:
+    """A transformers checkpoint: a local folder, else a Hub id downloaded once into the workdir's cache."""
+    if not name:
+        raise ConfigError("hf: needs a folder or a Hugging Face Hub model id, e.g. hf:HuggingFaceTB/SmolLM2-135M")
+    local = Path(name).expanduser()
+    if local.is_dir():
+        folder = confinement.confined("pretrained model folder", local)
+    else:
+        from huggingface_hub import snapshot_download
+
+        try:  # only what the model needs: no other weight formats, no training states
+            folder = Path(snapshot_download(name, cache_dir=Path(workdir) / "cache" / "hf", allow_patterns=[
+                "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+                "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]))
+        except Exception as exc:  # huggingface_hub raises many kinds: offline, unknown repo, gated
+            raise ModelError(f"{origin}: not a local folder, and the Hub download failed: "
+                             f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    eod_token = check_hf_checkpoint(folder, origin)
+    return PretrainedSource(str(folder.resolve()), sha256_file(folder / "model.safetensors"), origin, eod_token=eod_token)
+
+
+def check_hf_checkpoint(folder: Path, origin: str) -> str:
+    """ModelError (one line) naming what cpuforge cannot take from a transformers checkpoint; else its eos
+    token, spelled as its tokenizer spells it: cpuforge's end-of-document token."""
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"{origin}: {folder} has no config.json (not a transformers checkpoint)")
+    try:
+        read_config(folder)
+    except CheckpointError as exc:
+        raise ModelError(f"{origin}: {str(exc).removeprefix(f'{folder}: ')}") from None
+    if not (folder / "model.safetensors").is_file():
+        found = "sharded safetensors" if (folder / "model.safetensors.index.json").is_file() else "no model.safetensors"
+        raise ModelError(f"{origin}: unsupported model: {found} (one model.safetensors file is supported)")
+    if not (folder / "tokenizer.json").is_file():
+        raise ModelError(f"{origin}: unsupported model: no tokenizer.json (a fast tokenizer's file is needed; "
+                         "save the tokenizer with transformers' save_pretrained)")
+    config = json.loads((folder / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    if eos is None and (folder / "generation_config.json").is_file():
+        eos = json.loads((folder / "generation_config.json").read_text()).get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    if eos is None:
+        raise ModelError(f"{origin}: unsupported model: no eos_token_id in config.json or generation_config.json "
+                         "(cpuforge ends every document with it)")
+    from tokenizers import Tokenizer
+
+    token = Tokenizer.from_file(str(folder / "tokenizer.json")).id_to_token(int(eos))
+    if token is None:
+        raise ModelError(f"{origin}: eos_token_id={eos} is not in its tokenizer.json")
+    return token
+
+
 def _from_folder(path: Path, origin: str) -> PretrainedSource:
     folder = path / "model" if (path / "model" / "model.safetensors").is_file() else path  # a pretrain stage folder
     missing = [name for name in MODEL_FILES if not (folder / name).is_file()]
@@ -186,8 +244,11 @@ def with_source(cfg: Config, source: PretrainedSource, adopt_shape: bool) -> Con
                          for k in type(shape).model_fields if getattr(cfg.model, k) != getattr(shape, k))
         raise ConfigError(f"train.init_from={cfg.train.init_from}: the weights ({source.origin}) have another shape "
                           f"({diff}); set model.* to match, or clear train.init_from to start from scratch")
-    update: dict[str, Any] = {"tokenizer": cfg.tokenizer.model_copy(update={"path": source.tokenizer_path})}
+    tokenizer = {"path": source.tokenizer_path, **({"eod_token": source.eod_token} if source.eod_token else {})}
+    update: dict[str, Any] = {"tokenizer": cfg.tokenizer.model_copy(update=tokenizer)}
     if adopt_shape:
+        if source.origin.startswith(HF_PREFIX):  # contexts of thousands of tokens: train and score at the profile's
+            shape = shape.model_copy(update={"block_size": min(shape.block_size, cfg.model.block_size)})
         update["model"] = shape
     return cfg.model_copy(update=update)
 

@@ -28,7 +28,8 @@ from cpuforge.tasks.engine.training_run import (
 )
 from cpuforge.tasks.errors import UserError
 from cpuforge.tasks.infra import tracking
-from cpuforge.tasks.infra.stage import StageOutput, StageRun
+from cpuforge.tasks.infra.stage import StageOutput, StageRun, key_config
+from cpuforge.tasks.model_card import made_by, write_model_card
 from cpuforge.tasks.reports import training_reports
 
 log = logging.getLogger("cpuforge.pretrain")
@@ -60,6 +61,9 @@ def work(run: StageRun, model: ModelConfig, train: TrainConfig) -> StageOutput:
         "matmul_peak_gflops": round(spec.peak_flops / 1e9, 1), "world_size": world, "threads": spec.threads,
         "flops_per_token": spec.flops_per_token, **precision_metrics(spec),
     }
+    write_model_card(run.out_dir / "model",
+                     [*made_by(tokenized), (SPEC.name, {"model": key_config("model", model), "train": key_config("train", train)})],
+                     tokenized, metrics, init.origin if init else "")
     log.info("pretrained %s params on %s tokens: val bpb %.3f (unigram baseline %.3f)",
              f"{metrics['params']:,}", f"{metrics['tokens']:,}", metrics["val_bpb"], baseline)
     return StageOutput(

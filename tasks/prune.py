@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 from cpuforge.models.checkpoint import load_model, save_model
 from cpuforge.models.config import LlamaConfig, ModelConfigError
 from cpuforge.models.fileio import atomic_write_json
+from cpuforge.models.hf_format import write_tokenizer
 from cpuforge.models.importance import Importance, activation_importance
 from cpuforge.models.llama import config_param_count, param_count
 from cpuforge.models.prune import check_target, choose_keep, prune
@@ -31,8 +31,9 @@ from cpuforge.tasks.config import PruneConfig
 from cpuforge.tasks.engine.data import BatchSampler, open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.trainer import evaluate
 from cpuforge.tasks.errors import ConfigError
-from cpuforge.tasks.infra.stage import StageOutput, StageRun
+from cpuforge.tasks.infra.stage import StageOutput, StageRun, key_config
 from cpuforge.tasks.infra.store import StageRecord
+from cpuforge.tasks.model_card import made_by, write_model_card
 
 log = logging.getLogger("cpuforge.prune")
 
@@ -114,7 +115,7 @@ def prune_stage(p: PruneConfig, tokenized: StageRecord, pretrained: StageRecord,
     _, bpb_after = evaluate(student, val, lengths)
 
     save_model(student, out_dir / "model")
-    shutil.copy(pretrained.path("tokenizer"), out_dir / "model" / "tokenizer.json")
+    write_tokenizer(out_dir / "model", pretrained.path("tokenizer"), shards.meta["eod_token"], shards.eod_id)
     choices = {
         "strategy": "explicit" if any(getattr(p, k) for k in ("n_layer", "n_head", "n_kv_head", "d_model", "d_mlp"))
         else p.strategy,
@@ -126,6 +127,8 @@ def prune_stage(p: PruneConfig, tokenized: StageRecord, pretrained: StageRecord,
     atomic_write_json(out_dir / "choices.json", choices)
     plot_importance(imp, keep, out_dir / "importance.png")
     params_before, params_after = param_count(teacher), param_count(student)
+    write_model_card(out_dir / "model", [*made_by(tokenized, pretrained), (SPEC.name, {"prune": key_config("prune", p)})],
+                     tokenized, {"val_bpb_after": bpb_after, "params": params_after})
     log.info("pruned %s -> %s parameters (%.0f%%): val bpb %.3f -> %.3f",
              f"{params_before:,}", f"{params_after:,}", 100 * params_after / params_before, bpb_before, bpb_after)
     return StageOutput(

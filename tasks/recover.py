@@ -20,7 +20,8 @@ from cpuforge.tasks.engine.data import open_shards
 from cpuforge.tasks.engine.training_run import execute, precision_metrics, precision_params, training_spec, world_size
 from cpuforge.tasks.errors import UserError
 from cpuforge.tasks.infra import tracking
-from cpuforge.tasks.infra.stage import StageOutput, StageRun
+from cpuforge.tasks.infra.stage import StageOutput, StageRun, key_config
+from cpuforge.tasks.model_card import made_by, write_model_card
 from cpuforge.tasks.reports import training_reports
 
 log = logging.getLogger("cpuforge.recover")
@@ -44,19 +45,23 @@ def work(run: StageRun, recover: RecoverConfig, train: TrainConfig) -> StageOutp
     result = execute(spec)
     training_reports(run.out_dir)
     pretrain_tokens = pretrained.metrics.get("tokens", 0)
+    metrics = {"tokens": result.tokens, "steps": result.steps, "val_loss": round(result.val_loss, 4),
+               "val_bpb": round(result.val_bpb, 4), "params": config_param_count(student_cfg),
+               "tokens_vs_pretrain": round(result.tokens / max(1, pretrain_tokens), 4),
+               "tokens_per_s": round(result.tokens_per_s, 1), "peak_rss_mb": round(result.peak_rss_mb, 1),
+               "seconds": round(time.perf_counter() - started, 2), "world_size": world,
+               # MFU counts the teacher's forward passes too: the step computes them
+               "mfu": round(result.mfu, 4), "flops_per_token": spec.flops_per_token,
+               "teacher_forward_flops_per_token": flops_per_token(teacher_cfg, backward=False),
+               "matmul_peak_gflops": round(spec.peak_flops / 1e9, 1), **precision_metrics(spec)}
+    write_model_card(run.out_dir / "model", [*made_by(tokenized, pretrained, pruned),
+                     (SPEC.name, {"recover": key_config("recover", recover), "train": key_config("train", train)})],
+                     tokenized, metrics)
     log.info("recovered on %s tokens (%.0f%% of pretraining): val bpb %.3f (right after pruning %.3f)",
              f"{result.tokens:,}", 100 * result.tokens / max(1, pretrain_tokens), result.val_bpb,
              pruned.metrics.get("val_bpb_after", float("nan")))
     return StageOutput(
-        metrics={"tokens": result.tokens, "steps": result.steps, "val_loss": round(result.val_loss, 4),
-                 "val_bpb": round(result.val_bpb, 4), "params": config_param_count(student_cfg),
-                 "tokens_vs_pretrain": round(result.tokens / max(1, pretrain_tokens), 4),
-                 "tokens_per_s": round(result.tokens_per_s, 1), "peak_rss_mb": round(result.peak_rss_mb, 1),
-                 "seconds": round(time.perf_counter() - started, 2), "world_size": world,
-                 # MFU counts the teacher's forward passes too: the step computes them
-                 "mfu": round(result.mfu, 4), "flops_per_token": spec.flops_per_token,
-                 "teacher_forward_flops_per_token": flops_per_token(teacher_cfg, backward=False),
-                 "matmul_peak_gflops": round(spec.peak_flops / 1e9, 1), **precision_metrics(spec)},
+        metrics=metrics,
         files={"model": "model", "tokenizer": "model/tokenizer.json", "checkpoints": "checkpoints",
                "loss_curve": "loss_curve.png", "history": "history.jsonl"},
         artifacts=["model", "loss_curve.png"],

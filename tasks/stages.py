@@ -27,7 +27,7 @@ PRETRAIN = StageSpec(
 )
 # The compression flow's stand-in for pretrain: an existing model copied in.
 ADOPT = StageSpec(
-    name="adopt", version="1", sections=("train",), module="cpuforge.tasks.adopt", needs=("tokenize",),
+    name="adopt", version="1", sections=("model", "train"), module="cpuforge.tasks.adopt", needs=("tokenize",),
     provides=("model", "tokenizer"), evaluates=("pretrained", "model"), stands_for="pretrain", extra="source",
 )
 PRUNE = StageSpec(

@@ -10,7 +10,7 @@ import pytest
 from cpuforge.models.checkpoint import save_model
 from cpuforge.models.llama import Llama
 from cpuforge.tasks.config import load_config
-from cpuforge.tasks.errors import ConfigError
+from cpuforge.tasks.errors import ConfigError, ModelError
 from cpuforge.tasks.infra import tracking
 from cpuforge.tasks.lineage import (
     TAG_PRETRAIN_RUN,
@@ -36,6 +36,18 @@ def test_a_model_folder_or_its_stage_folder_is_a_source_and_a_wrong_one_says_wha
     assert by_stage.folder == by_model.folder and len(by_stage.sha256) == 64
     with pytest.raises(ConfigError, match="missing config.json, model.safetensors, tokenizer.json"):
         resolve_source(str(tmp_path), cfg, tmp_path)
+
+
+def test_an_hf_source_that_is_neither_a_folder_nor_reachable_on_the_hub_says_so(tmp_path):
+    cfg = load_config("tiny")
+    with pytest.raises(ConfigError, match="hf: needs a folder or a Hugging Face Hub model id"):
+        resolve_source("hf:", cfg, tmp_path)
+    # HF_HUB_OFFLINE=1 (tests/conftest.py): the download fails at once, without the network
+    with pytest.raises(ModelError, match="hf:nobody/no-such-model: not a local folder, and the Hub download failed"):
+        resolve_source("hf:nobody/no-such-model", cfg, tmp_path)
+    model_folder(tmp_path / "plain")  # weights without tokenizer files: nothing names the end of a document
+    with pytest.raises(ModelError, match="unsupported model: no eos_token_id"):
+        resolve_source(f"hf:{tmp_path / 'plain'}", cfg, tmp_path)
 
 
 def test_continuing_needs_the_same_shape_and_takes_the_weights_tokenizer(tmp_path):

@@ -91,7 +91,7 @@ def test_checkpoint_round_trip_and_verification(tmp_path, model):
         load_model(tmp_path / "m")
     weights.write_bytes(data)
     cfg_json = json.loads((tmp_path / "m" / "config.json").read_text())
-    cfg_json["model"]["d_mlp"] = 48
+    cfg_json["intermediate_size"] = 48  # transformers' name for d_mlp
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg_json))
     with pytest.raises(CheckpointError, match="does not match its config: shape mismatch"):
         load_model(tmp_path / "m")

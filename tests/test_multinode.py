@@ -183,7 +183,7 @@ def test_fsdp_across_two_namespaces_resumes_in_one_process(nodes, shards, tmp_pa
     assert run["history"][-1]["loss"] < run["history"][0]["loss"] - 0.3
     last = out / "checkpoints" / "step-00000018"
     assert len(list((last / "shards").glob("*.distcp"))) == 2  # one part from each node's rank
-    assert "tok_emb.weight" in load_file(str(out / "model" / "model.safetensors"))
+    assert "model.embed_tokens.weight" in load_file(str(out / "model" / "model.safetensors"))  # transformers names
 
     alone = tmp_path / "alone"
     shutil.copytree(out / "checkpoints", alone / "checkpoints")

@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pydantic import BaseModel
 from cpuforge.models.checkpoint import load_model, read_config, save_model
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.fileio import atomic_write_text
+from cpuforge.models.hf_format import write_tokenizer
 from cpuforge.models.llama import Llama, flops_per_token
 from cpuforge.tasks.config import RecoverConfig, TrainConfig
 from cpuforge.tasks.engine import sharding
@@ -210,7 +210,7 @@ def run_training(spec: TrainingSpec | dict[str, Any]) -> TrainingResult | None:
     if rank != 0:
         return None
     save_model(model, out_dir / "model", extra={"dtype": spec.dtype}, weights=weights)
-    shutil.copy(shards.tokenizer_path, out_dir / "model" / "tokenizer.json")
+    write_tokenizer(out_dir / "model", shards.tokenizer_path, shards.meta["eod_token"], shards.eod_id)
     atomic_write_text(out_dir / "history.jsonl", "".join(json.dumps(h) + "\n" for h in result.history))
     summary = TrainingResult(**{k: v for k, v in asdict(result).items() if k != "history"})
     atomic_write_text(out_dir / "result.json", summary.model_dump_json(indent=2))

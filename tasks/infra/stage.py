@@ -124,9 +124,14 @@ NOT_IN_KEY = {"train": ("init_from", "max_restarts"), "tokenizer": ("path",),
               "data": ("encode_runner", "dask_address", "encode_workers", "piece_bytes")}
 
 
+def key_config(name: str, section: Any) -> dict[str, Any]:
+    """One config section as a stage's key holds it (less the settings that only say where inputs come from)."""
+    return section.model_dump(mode="json", exclude=set(NOT_IN_KEY.get(name, ())))
+
+
 def stage_config(cfg: Config, spec: StageSpec) -> dict[str, Any]:
     """The config sections that determine the stage's output: part of its key."""
-    return {s: getattr(cfg, s).model_dump(mode="json", exclude=set(NOT_IN_KEY.get(s, ()))) for s in spec.sections}
+    return {s: key_config(s, getattr(cfg, s)) for s in spec.sections}
 
 
 def stage_params(cfg: Config, spec: StageSpec) -> dict[str, Any]:
