@@ -351,6 +351,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
         default = f"sqlite:///{(Path('cpuforge-runs') / 'mlflow.db').resolve()}"
         store = "" if uri == default else f" --tracking-uri {uri}"
         console.print(f"try it: cpuforge generate --model {registry['champion_uri']}{store} --prompt 'def '")
+        if registry.get("serve"):
+            console.print(f"serve it: MLFLOW_TRACKING_URI={uri} {registry['serve']} --port 5001")
     console.print(f"summary: {Path(summary['run_dir']) / 'summary.json'}")
     uri = summary.get("mlflow_tracking_uri") or ""
     if uri.startswith("sqlite:"):

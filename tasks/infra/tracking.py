@@ -177,6 +177,25 @@ def stage_run(stage: str, parent_run_id: str | None, params: dict[str, Any], key
         yield run.info.run_id
 
 
+@contextlib.contextmanager
+def child_run(name: str, parent_run_id: str | None, tags: dict[str, str]) -> Iterator[str]:
+    """A nested run that is not a stage (the registry's), active while the body runs; yields its id."""
+    mlflow = _mlflow()
+    with mlflow.start_run(run_name=name, nested=parent_run_id is not None, parent_run_id=parent_run_id,
+                          tags=tags) as run, _killed_when_interrupted():
+        yield run.info.run_id
+
+
+def log_run_metrics(run_id: str, metrics: dict[str, float]) -> None:
+    _mlflow().MlflowClient().log_batch(run_id, metrics=_metric_batch(metrics, step=0))
+
+
+def set_run_tags(run_id: str, tags: dict[str, str]) -> None:
+    from mlflow.entities import RunTag
+
+    _mlflow().MlflowClient().log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+
 def log_stage_result(run_id: str, metrics: dict[str, float], output_dir: Path, artifacts: list[str], info: dict[str, Any]) -> None:
     client = _mlflow().MlflowClient()
     client.log_batch(run_id, metrics=_metric_batch(metrics, step=0))
