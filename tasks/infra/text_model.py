@@ -49,6 +49,9 @@ class TextModel(mlflow.pyfunc.PythonModel):
             raise mlflow.MlflowException.invalid_parameter_value("max_new_tokens must be positive")
         if float(p["temperature"]) < 0:
             raise mlflow.MlflowException.invalid_parameter_value("temperature must be 0 (greedy) or positive")
+        if int(p["top_k"]) < 0 or not 0 < float(p["top_p"]) <= 1:
+            raise mlflow.MlflowException.invalid_parameter_value(
+                "top_k must be 0 (off) or a positive number of tokens, and top_p in (0, 1] (1: off)")
         stop = [p["stop"]] if isinstance(p["stop"], str) else list(p["stop"] or [])
         seed = int(p["seed"])
         try:
