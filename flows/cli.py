@@ -109,6 +109,25 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--text", required=True, help="a UTF-8 text file, read with the model's own tokenizer")
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
     ev.set_defaults(handler=_evaluate)
+
+    def store_args(p: argparse.ArgumentParser, workdir_help: str) -> None:
+        where = p.add_mutually_exclusive_group()
+        where.add_argument("--workdir", help=workdir_help + " (default: ./cpuforge-runs)")
+        where.add_argument("--tracking-uri", help="an MLflow store or server, e.g. http://127.0.0.1:5000")
+        p.add_argument("--json", action="store_true", help="print JSON, for scripts")
+
+    runs = sub.add_parser("runs", help="list past pipeline runs, newest first: start time, profile, data, status, "
+                                       "seconds, final bits per byte, registry decision")
+    store_args(runs, "the work folder whose run summaries to list")
+    runs.add_argument("--experiment", default="cpuforge", help="with --tracking-uri: the MLflow experiment")
+    runs.add_argument("--limit", type=int, default=20, help="at most this many runs (default 20)")
+    runs.set_defaults(handler=_runs)
+
+    models = sub.add_parser("models", help="list the registered versions with their aliases and key figures, "
+                                           "and the history of every alias move")
+    store_args(models, "the work folder whose MLflow store to read")
+    models.add_argument("--name", default="cpuforge-lm", help="the registered model (default cpuforge-lm)")
+    models.set_defaults(handler=_models)
     return parser
 
 
@@ -189,6 +208,83 @@ def _evaluate(args: argparse.Namespace) -> int:
               f"{score.val_bpb:.4f} bits per byte, perplexity {score.ppl:.2f} "
               f"({score.tokens:,} tokens, {score.bytes:,} bytes)")
     return 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from cpuforge.tasks import listing
+
+    if args.limit <= 0:
+        raise UserError(f"--limit {args.limit}: must be a positive number of runs")
+    if args.tracking_uri:
+        rows = listing.runs_in_store(args.tracking_uri, args.experiment, args.limit)
+        where = f"{args.tracking_uri} (experiment {args.experiment})"
+    else:
+        workdir = _existing_workdir(args.workdir)
+        rows = listing.runs_in_workdir(workdir, args.limit)
+        where = str(workdir)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print(f"no pipeline runs in {where}")
+        return 0
+    _print_rows(f"pipeline runs in {where}", listing.RUN_COLUMNS, rows)
+    return 0
+
+
+def _models(args: argparse.Namespace) -> int:
+    from cpuforge.tasks import listing
+
+    if args.tracking_uri:
+        uri = args.tracking_uri
+    elif args.workdir is None and os.environ.get("MLFLOW_TRACKING_URI"):
+        uri = os.environ["MLFLOW_TRACKING_URI"]
+    else:
+        store = _existing_workdir(args.workdir) / "mlflow.db"
+        if not store.is_file():
+            raise UserError(f"there is no MLflow store in {store.parent}: run the pipeline there first, "
+                            "or pass --tracking-uri")
+        uri = f"sqlite:///{store}"
+    found = listing.models(args.name, uri)
+    if args.json:
+        print(json.dumps(found, indent=2))
+        return 0
+    if not found["versions"]:
+        print(f"{args.name} has no registered versions in {uri}")
+        return 0
+    rows = [{**v, "aliases": ",".join(v["aliases"]) or "-",
+             "MB": v["file_bytes"] / 1e6 if v["file_bytes"] is not None else None} for v in found["versions"]]
+    _print_rows(f"{args.name} in {uri}", ("version", "created_at", "aliases", "val_bpb", "params", "MB",
+                                          "decode_tok_s", "decision", "mlflow_run_id"), rows)
+    print("\nalias history (oldest first):")
+    for move in found["alias_history"]:
+        print(f"  {move['at']}  {move['alias']} -> version {move['version']} (was {move['previous'] or 'unset'})"
+              f"  by {move['by']}: {move['why']}")
+    if not found["alias_history"]:
+        print("  none recorded (versions registered before cpuforge recorded alias moves)")
+    return 0
+
+
+def _existing_workdir(workdir: str | None) -> Path:
+    folder = Path(workdir or "cpuforge-runs").expanduser().resolve()
+    if not folder.is_dir():
+        raise UserError(f"--workdir {folder}: no such folder (give the folder `cpuforge run --workdir` "
+                        "wrote to)")
+    return folder
+
+
+def _print_rows(title: str, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        # Bits per byte to 4 decimals: runs often differ in the third.
+        table.add_row(*("-" if row.get(c) is None else f"{row[c]:.4f}" if c.endswith("bpb") else _fmt(row[c])
+                        for c in columns))
+    (Console() if sys.stdout.isatty() else Console(width=200)).print(table)
 
 
 def _show_config(args: argparse.Namespace) -> int:
@@ -355,6 +451,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
         default = f"sqlite:///{(Path('cpuforge-runs') / 'mlflow.db').resolve()}"
         store = "" if uri == default else f" --tracking-uri {uri}"
         console.print(f"try it: cpuforge generate --model {registry['champion_uri']}{store} --prompt 'def '")
+        if registry.get("serve"):
+            console.print(f"serve it: MLFLOW_TRACKING_URI={uri} {registry['serve']} --port 5001")
     console.print(f"summary: {Path(summary['run_dir']) / 'summary.json'}")
     uri = summary.get("mlflow_tracking_uri") or ""
     if uri.startswith("sqlite:"):

@@ -9,7 +9,7 @@ and ``step`` for generation. ``generate`` samples from either.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -118,20 +118,33 @@ class LanguageModel:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def stream(self, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 40,
-               seed: int | None = None) -> Iterator[str]:
+               seed: int | None = None, top_p: float | None = None) -> Iterator[str]:
         """Yield the continuation of `prompt` as text pieces, as soon as each piece is whole UTF-8."""
         ids = self.encode(prompt)
         check_prompt(len(ids), self.cfg.block_size)
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         out: list[int] = []
         shown = ""
-        for token in generate(self.decoder, ids, max_new_tokens, temperature, top_k, self.eod_id, generator):
+        for token in generate(self.decoder, ids, max_new_tokens, temperature, top_k, self.eod_id, generator, top_p):
             out.append(token)
             text = self.tokenizer.decode(out)
             if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
                 continue
             yield text[len(shown):]
             shown = text
+
+    def complete(self, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 40,
+                 top_p: float | None = None, stop: Sequence[str] = (), seed: int | None = None) -> str:
+        """The continuation of `prompt` as one string, cut before the first of the `stop` strings."""
+        text = ""
+        stop = [s for s in stop if s]
+        for piece in self.stream(prompt, max_new_tokens, temperature, top_k, seed, top_p):
+            text += piece
+            # A stop string can end in this piece while starting in an earlier one: search the whole text.
+            cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
+            if cuts:
+                return text[:min(cuts)]
+        return text
 
 
 def check_prompt(n_tokens: int, block_size: int) -> None:
@@ -143,9 +156,10 @@ def check_prompt(n_tokens: int, block_size: int) -> None:
 
 
 def choose_token(logits: torch.Tensor, temperature: float, top_k: int | None,
-                 generator: torch.Generator | None) -> int:
-    """Greedy at temperature 0, else sampling from the top-k tokens at that temperature.
-    top_k None or 0 samples from every token (0 means "off", as in transformers and llama.cpp)."""
+                 generator: torch.Generator | None, top_p: float | None = None) -> int:
+    """Greedy at temperature 0, else sampling at that temperature from the top-k tokens, then from the
+    fewest of those whose probabilities add up to top_p (nucleus sampling, applied after top-k as in
+    transformers). top_k None or 0 and top_p None or 1 mean "off", as in transformers and llama.cpp."""
     logits = logits.float()
     if temperature <= 0:
         return int(logits.argmax())
@@ -153,12 +167,18 @@ def choose_token(logits: torch.Tensor, temperature: float, top_k: int | None,
     if top_k and top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and 0 < top_p < 1:
+        sorted_logits, order = logits.sort(descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the ones more likely than it already reach top_p: the first always stays.
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        logits = logits.index_fill(0, order[drop], float("-inf"))
     return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
 
 
 def generate(decoder: Decoder | Llama, prompt: list[int], max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, stop_token: int | None = None,
-             generator: torch.Generator | None = None) -> Iterator[int]:
+             generator: torch.Generator | None = None, top_p: float | None = None) -> Iterator[int]:
     """Continue a prompt with the KV cache, yielding each new token; stops at stop_token or the context."""
     if isinstance(decoder, Llama):
         decoder = TorchDecoder(decoder)
@@ -168,7 +188,8 @@ def generate(decoder: Decoder | Llama, prompt: list[int], max_new_tokens: int, t
     position = len(prompt)
     budget = min(max_new_tokens, block - position)  # every fed token needs a position inside the context
     for i in range(budget):
-        token = choose_token(torch.from_numpy(np.ascontiguousarray(logits[0])), temperature, top_k, generator)
+        token = choose_token(torch.from_numpy(np.ascontiguousarray(logits[0])), temperature, top_k, generator,
+                             top_p)
         if stop_token is not None and token == stop_token:
             return
         yield token

@@ -28,7 +28,7 @@ from cpuforge.models.fileio import sha256_file
 from cpuforge.tasks.config import Config, ModelConfig
 from cpuforge.tasks.corpus import source_fingerprint
 from cpuforge.tasks.errors import ConfigError, ModelError
-from cpuforge.tasks.infra import confinement, tracking
+from cpuforge.tasks.infra import confinement, model_registry, tracking
 from cpuforge.tasks.infra.stage import NOT_IN_KEY, SERVICE_RETRIES
 
 log = logging.getLogger("cpuforge.lineage")
@@ -121,15 +121,7 @@ def resolve_source(spec: str, cfg: Config, workdir: Path) -> PretrainedSource:
 
 def champion_version(cfg: Config):
     """The registered champion's model version (with its tags), or None."""
-    from mlflow.exceptions import MlflowException
-
-    client = tracking._mlflow().MlflowClient()
-    try:
-        return client.get_model_version_by_alias(cfg.tracking.registered_model, CHAMPION)
-    except MlflowException as exc:
-        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
-            return None
-        raise
+    return model_registry.version_by_alias(cfg.tracking.registered_model, CHAMPION)
 
 
 def lineage_tags(cfg: Config, pretrained_run_id: str | None, init: PretrainedSource | None) -> dict[str, str]:

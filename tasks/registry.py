@@ -7,6 +7,10 @@ the quantize stage reuses its version) and points the alias ``candidate`` at it.
 byte than the current champion on the same validation text, each model reading that text
 with its own tokenizer (so the comparison holds across tokenizers). The decision and its
 reason are logged on the ``register`` run, tagged on the version, and returned for the summary.
+
+A version is a text model (tasks/infra/text_model.py: prompts in, generated text out, so
+``mlflow models serve`` answers prompts) with a description that summarises its model card, and
+every alias move is recorded with who, when and why (tasks/infra/model_registry.py).
 """
 
 from __future__ import annotations
@@ -22,48 +26,34 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
-from cpuforge.models.onnx_export import input_names, output_names
 from cpuforge.models.runtime import LanguageModel, ModelLoadError, load_language_model
+from cpuforge.tasks import stages
 from cpuforge.tasks.engine.data import open_shards
 from cpuforge.tasks.engine.scoring import Score, score_text
 from cpuforge.tasks.errors import DataError, ModelError
-from cpuforge.tasks.infra import tracking
+from cpuforge.tasks.infra import model_registry, tracking
+from cpuforge.tasks.infra.model_registry import (
+    TAG_DECISION,
+    TAG_DECODE,
+    TAG_FILE_BYTES,
+    TAG_PARAMS,
+    TAG_REASON,
+    TAG_SOURCE_KEY,
+    TAG_VAL_BPB,
+)
 from cpuforge.tasks.infra.stage import SERVICE_RETRIES, StageContext
 from cpuforge.tasks.infra.store import StageRecord
 
 log = logging.getLogger("cpuforge.registry")
 
 CANDIDATE, CHAMPION = "candidate", "champion"
-TAG_SOURCE_KEY = "cpuforge.quantize_key"
-TAG_VAL_BPB = "cpuforge.val_bpb"  # as the evaluate stage measured it on its val tokens
-TAG_DECISION = "cpuforge.gate_decision"
-TAG_REASON = "cpuforge.gate_reason"
+DECODE_METRIC = "onnx-int8/decode_tok_s"  # the evaluate stage's figure for the registered (final) variant
 
 
 def gate_text(tokenized: StageRecord, lm: LanguageModel, max_tokens: int) -> str:
     """The validation text every contender is scored on: the first max_tokens val tokens, as text."""
     val = open_shards(Path(tokenized.output_dir), lm.cfg.block_size).val[: max_tokens + 1]
     return lm.tokenizer.decode(np.asarray(val).tolist(), skip_special_tokens=False)
-
-
-def signature_and_example(lm: LanguageModel):
-    from mlflow.models import ModelSignature
-    from mlflow.types.schema import Schema, TensorSpec
-
-    cfg = lm.cfg
-    past_shape = (-1, cfg.n_kv_head, -1, cfg.head_dim)
-    names_in, names_out = input_names(cfg.n_layer), output_names(cfg.n_layer)
-    inputs = Schema([TensorSpec(np.dtype(np.int64), (-1, -1), names_in[0])] +
-                    [TensorSpec(np.dtype(np.float32), past_shape, n) for n in names_in[1:]])
-    outputs = Schema([TensorSpec(np.dtype(np.float32), (-1, -1, cfg.vocab_size), names_out[0])] +
-                     [TensorSpec(np.dtype(np.float32), past_shape, n) for n in names_out[1:]])
-    # One decoding step with a real KV cache (that of a short prompt): a zero-length past, the
-    # prefill case, would not survive the example's JSON form.
-    prompt = lm.encode("def main():")[: cfg.block_size - 2] or [0]
-    logits, past = lm.decoder.prefill(np.array([prompt], dtype=np.int64))
-    next_token = np.array([[int(logits[0].argmax())]], dtype=np.int64)
-    example = {names_in[0]: next_token, **{n: np.asarray(t) for n, t in zip(names_in[1:], past)}}
-    return ModelSignature(inputs=inputs, outputs=outputs), example
 
 
 def decide(candidate: Score, champion: Score | None, champion_version: str | None,
@@ -81,53 +71,39 @@ def decide(candidate: Score, champion: Score | None, champion_version: str | Non
                    f"{champion.val_bpb:.4f} on the same validation text; it stays champion")
 
 
-def _alias_version(client, name: str, alias: str) -> str | None:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return str(client.get_model_version_by_alias(name, alias).version)
-    except MlflowException:
-        return None
-
-
 def register(ctx: StageContext, tokenized: StageRecord, quantized: StageRecord, evaluated: StageRecord,
              lineage: dict[str, str] | None = None) -> dict[str, Any]:
     """Register the final model (or find the version that already holds it) and run the champion gate.
 
     ``lineage``: version tags saying where its pretrained weights and data came from (tasks/lineage.py).
     """
-    mlflow = tracking._mlflow()
-    client = mlflow.MlflowClient()
+    from cpuforge.tasks.infra import text_model  # imports MLflow: not before a run needs it
+
     name = ctx.cfg.tracking.registered_model
     onnx_path = quantized.path("onnx")
     lm = load_language_model(onnx_path)
     text = gate_text(tokenized, lm, ctx.cfg.eval.max_tokens)
     candidate_score = score_text(lm, text)
 
-    with mlflow.start_run(run_name="register", nested=ctx.parent_run_id is not None,
-                          parent_run_id=ctx.parent_run_id, tags={tracking.TAG_STAGE: "register"}) as run:
-        existing = [v for v in client.search_model_versions(f"name='{name}'")
-                    if v.tags.get(TAG_SOURCE_KEY) == quantized.key]
+    with tracking.child_run("register", ctx.parent_run_id, {tracking.TAG_STAGE: "register"}) as run_id:
+        existing = model_registry.versions_tagged(name, TAG_SOURCE_KEY, quantized.key)
         if existing:
-            version = str(existing[0].version)
+            version = existing[0]
             log.info("%s version %s already holds this model; reusing it", name, version)
         else:
-            import onnx
-
-            signature, example = signature_and_example(lm)
-            info = mlflow.onnx.log_model(
-                onnx.load(str(onnx_path)), name="model", registered_model_name=name, signature=signature,
-                input_example=example, onnx_execution_providers=["CPUExecutionProvider"],
-                save_as_external_data=False,
+            version = text_model.log_text_model(
+                onnx_path, tokenized.path("tokenizer"), name,
                 metadata={"val_bpb": candidate_score.val_bpb, "params": lm.params, "file_bytes": lm.file_bytes})
-            version = str(info.registered_model_version)
-            client.set_model_version_tag(name, version, TAG_SOURCE_KEY, quantized.key)
-            client.set_model_version_tag(name, version, TAG_VAL_BPB, f"{evaluated.metrics['final_val_bpb']:.5f}")
-        for tag, value in (lineage or {}).items():
-            client.set_model_version_tag(name, version, tag, value)
-        client.set_registered_model_alias(name, CANDIDATE, version)
+            model_registry.tag_version(name, version, {
+                TAG_SOURCE_KEY: quantized.key, TAG_VAL_BPB: f"{evaluated.metrics['final_val_bpb']:.5f}",
+                TAG_PARAMS: str(lm.params), TAG_FILE_BYTES: str(lm.file_bytes),
+                **({TAG_DECODE: f"{evaluated.metrics[DECODE_METRIC]:.1f}"} if DECODE_METRIC in evaluated.metrics else {})})
+            model_registry.describe_version(name, version, model_card_summary(ctx, tokenized, evaluated, lm))
+        model_registry.tag_version(name, version, lineage or {})
+        model_registry.move_alias(name, CANDIDATE, version, f"the model of the latest pipeline run (MLflow run "
+                                  f"{ctx.parent_run_id or run_id})", run_id)
 
-        champion_version = _alias_version(client, name, CHAMPION)
+        champion_version = model_registry.alias_version(name, CHAMPION)
         champion_score, champion_error = None, None
         if champion_version == version:
             promote, reason = False, "this model is already the champion"
@@ -135,37 +111,55 @@ def register(ctx: StageContext, tokenized: StageRecord, quantized: StageRecord, 
             if champion_version is not None:
                 try:
                     with tempfile.TemporaryDirectory(prefix="cpuforge-champion-") as tmp:
-                        folder = tracking.download(f"models:/{name}/{champion_version}", Path(tmp))
+                        folder = text_model.download(f"models:/{name}/{champion_version}", Path(tmp))
                         champion_score = score_text(load_language_model(folder), text)
                 except (ModelLoadError, ModelError, DataError, ValueError) as exc:
                     champion_error = str(exc)
             promote, reason = decide(candidate_score, champion_score, champion_version, champion_error)
             if promote:
-                client.set_registered_model_alias(name, CHAMPION, version)
+                model_registry.move_alias(name, CHAMPION, version, reason, run_id)
         decision = "promoted" if promote else "kept champion"
-        client.set_model_version_tag(name, version, TAG_DECISION, decision)
-        client.set_model_version_tag(name, version, TAG_REASON, reason)
+        model_registry.tag_version(name, version, {TAG_DECISION: decision, TAG_REASON: reason})
         metrics = {"candidate_val_bpb": candidate_score.val_bpb, "gate_bytes": candidate_score.bytes,
                    "promoted": int(promote)}
         if champion_score is not None:
             metrics["champion_val_bpb"] = champion_score.val_bpb
-        mlflow.log_metrics(metrics)
-        mlflow.set_tags({TAG_DECISION: decision, TAG_REASON: reason, "cpuforge.model_version": version})
-        run_id = run.info.run_id
+        tracking.log_run_metrics(run_id, metrics)
+        tracking.set_run_tags(run_id, {TAG_DECISION: decision, TAG_REASON: reason, "cpuforge.model_version": version})
 
-    now_champion = _alias_version(client, name, CHAMPION)
+    now_champion = model_registry.alias_version(name, CHAMPION)
     log.info("registered %s version %s as %s: %s (%s)", name, version, CANDIDATE, decision, reason)
     return {
         "registered_model": name, "version": version, "model_uri": f"models:/{name}/{version}",
-        "champion_uri": f"models:/{name}@{CHAMPION}", "aliases": _aliases(client, name, version),
+        "champion_uri": f"models:/{name}@{CHAMPION}", "aliases": model_registry.version_aliases(name, version),
         "champion_version": now_champion, "previous_champion_version": champion_version,
         "decision": decision, "reason": reason, "candidate_val_bpb": candidate_score.val_bpb,
         "champion_val_bpb": champion_score.val_bpb if champion_score else None, "mlflow_run_id": run_id,
+        "serve": f"mlflow models serve -m models:/{name}@{CHAMPION} --env-manager local",
     }
 
 
-def _aliases(client, name: str, version: str) -> list[str]:
-    return sorted(client.get_model_version(name, version).aliases)
+def model_card_summary(ctx: StageContext, tokenized: StageRecord, evaluated: StageRecord, lm: LanguageModel) -> str:
+    """The version's description: what it was trained on, its size, quality and speed, and the run that made it."""
+    m, cfg = evaluated.metrics, lm.cfg
+    final = {v["variant"]: v for v in evaluated.summary.get("variants", [])}.get(stages.FINAL_VARIANT, {})
+    tok = tokenized.metrics
+    speed = (f"{final['prefill_tok_s']:,.0f} tokens/s prefill, {final['decode_tok_s']:,.0f} tokens/s decode "
+             "(batch 1, on the machine that evaluated it)" if final else "not measured")
+    return "\n".join([
+        f"cpuforge int8 ONNX language model: {lm.params:,} parameters, {lm.file_bytes / 1e6:.2f} MB "
+        f"({cfg.n_layer} layers, d_model {cfg.d_model}, {cfg.n_head} heads, context {cfg.block_size} tokens, "
+        f"vocabulary {cfg.vocab_size:,}).",
+        f"- data: {ctx.cfg.data.source} ({int(tok.get('tokens_train', 0)):,} training tokens, "
+        f"{int(tok.get('bytes_train', 0)):,} bytes)",
+        f"- quality: {m['final_val_bpb']:.4f} bits per byte on {int(m.get('val_tokens', 0)):,} validation tokens "
+        f"(the pretrained fp32 model: {m.get('baseline_val_bpb', float('nan')):.4f})",
+        f"- speed: {speed}",
+        f"- made by: pipeline run (MLflow run {ctx.parent_run_id}), profile {ctx.cfg.profile}, "
+        f"experiment {ctx.cfg.tracking.experiment}",
+        "- use: prompts in (a `prompt` column or a list of strings), text out; params max_new_tokens, "
+        "temperature, top_k, top_p, stop, seed",
+    ])
 
 
 def _markdown(result: dict[str, Any]) -> str:
@@ -194,9 +188,11 @@ def open_model(spec: str, tracking_uri: str | None = None) -> LanguageModel:
     models:/NAME/VERSION, runs:/RUN/PATH), ready to run; ModelError says what is wrong."""
     try:
         if spec.startswith(("models:/", "runs:/")):
+            from cpuforge.tasks.infra import text_model
+
             with tempfile.TemporaryDirectory(prefix="cpuforge-model-") as tmp:
                 # onnxruntime reads the whole file when the session is made: the download can go afterwards.
-                return load_language_model(tracking.download(spec, Path(tmp), tracking_uri))
+                return load_language_model(text_model.download(spec, Path(tmp), tracking_uri))
         return load_language_model(Path(spec))
     except ModelLoadError as exc:
         raise ModelError(str(exc)) from None

@@ -157,7 +157,9 @@ def pipeline_run(cfg: Config, workdir: Path, run_name: str, tags: dict[str, str]
     mlflow = _mlflow()
     with mlflow.start_run(run_name=run_name, tags={TAG_PROFILE: cfg.profile, **_owner_tags(), **tags}) as run, \
             _killed_when_interrupted():
-        mlflow.log_params({"profile": cfg.profile, "workdir": str(Path(workdir).resolve())})
+        # data_source: `cpuforge runs --tracking-uri` lists it without downloading each run's config.
+        mlflow.log_params({"profile": cfg.profile, "workdir": str(Path(workdir).resolve()),
+                           "data_source": cfg.data.source})
         mlflow.log_text(cfg.to_yaml(), "config.yaml")
         yield run.info.run_id
 
@@ -175,6 +177,25 @@ def stage_run(stage: str, parent_run_id: str | None, params: dict[str, Any], key
     ) as run, _killed_when_interrupted():
         mlflow.log_params(params)
         yield run.info.run_id
+
+
+@contextlib.contextmanager
+def child_run(name: str, parent_run_id: str | None, tags: dict[str, str]) -> Iterator[str]:
+    """A nested run that is not a stage (the registry's), active while the body runs; yields its id."""
+    mlflow = _mlflow()
+    with mlflow.start_run(run_name=name, nested=parent_run_id is not None, parent_run_id=parent_run_id,
+                          tags=tags) as run, _killed_when_interrupted():
+        yield run.info.run_id
+
+
+def log_run_metrics(run_id: str, metrics: dict[str, float]) -> None:
+    _mlflow().MlflowClient().log_batch(run_id, metrics=_metric_batch(metrics, step=0))
+
+
+def set_run_tags(run_id: str, tags: dict[str, str]) -> None:
+    from mlflow.entities import RunTag
+
+    _mlflow().MlflowClient().log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
 
 def log_stage_result(run_id: str, metrics: dict[str, float], output_dir: Path, artifacts: list[str], info: dict[str, Any],
@@ -263,3 +284,44 @@ def log_table(run_id: str, rows: list[dict[str, Any]], artifact_file: str) -> No
     """Rows as an MLflow table (shown, and comparable across runs, in the run's Evaluation tab)."""
     columns = {key: [row.get(key) for row in rows] for key in rows[0]} if rows else {}
     _mlflow().log_table(data=columns, artifact_file=artifact_file, run_id=run_id)
+
+
+# MLflow's run statuses, in the words of the run summaries.
+_STATUS = {"FINISHED": "completed", "FAILED": "failed", "KILLED": "cancelled", "RUNNING": "running",
+           "SCHEDULED": "scheduled"}
+
+
+def pipeline_runs(uri: str, experiment: str, limit: int) -> list[dict[str, Any]]:
+    """The newest `limit` pipeline (parent) runs in the store at `uri`, each with what its evaluate and
+    register runs found: the rows of `cpuforge runs --tracking-uri`."""
+    client = _mlflow().MlflowClient(tracking_uri=uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return []
+    ids = [found.experiment_id]
+    parents = client.search_runs(ids, filter_string="tags.`cpuforge.run_id` LIKE '%'", max_results=limit,
+                                 order_by=["attributes.start_time DESC"])
+    rows = []
+    for run in parents:
+        info, tags = run.info, run.data.tags
+        children = client.search_runs(ids, filter_string=f"tags.mlflow.parentRunId = '{info.run_id}'", max_results=100)
+        by_stage = {child.data.tags.get(TAG_STAGE): child for child in children}
+        evaluate, register = by_stage.get("evaluate"), by_stage.get("register")
+        rows.append({
+            "started_at": _iso(info.start_time), "run_id": tags.get("cpuforge.run_id", ""),
+            "flow": tags.get("cpuforge.flow", ""), "profile": tags.get(TAG_PROFILE, run.data.params.get("profile", "")),
+            "data_source": run.data.params.get("data_source", ""),
+            "status": _STATUS.get(info.status, info.status.lower()),
+            "seconds": round((info.end_time - info.start_time) / 1000, 1) if info.end_time else None,
+            "final_val_bpb": evaluate.data.metrics.get("final_val_bpb") if evaluate else None,
+            "decision": register.data.tags.get("cpuforge.gate_decision") if register else None,
+            "model_version": register.data.tags.get("cpuforge.model_version") if register else None,
+            "mlflow_run_id": info.run_id,
+        })
+    return rows
+
+
+def _iso(ms: int) -> str:
+    from datetime import datetime, timezone
+
+    return datetime.fromtimestamp(ms / 1000, timezone.utc).isoformat(timespec="seconds")
