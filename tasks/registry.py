@@ -22,7 +22,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
-from cpuforge.models.onnx_export import input_names, output_names
+from cpuforge.models.onnx_export import INPUTS, decoder_feeds, output_names, past_names
 from cpuforge.models.runtime import LanguageModel, ModelLoadError, load_language_model
 from cpuforge.tasks.engine.data import open_shards
 from cpuforge.tasks.engine.scoring import Score, score_text
@@ -52,9 +52,9 @@ def signature_and_example(lm: LanguageModel):
 
     cfg = lm.cfg
     past_shape = (-1, cfg.n_kv_head, -1, cfg.head_dim)
-    names_in, names_out = input_names(cfg.n_layer), output_names(cfg.n_layer)
-    inputs = Schema([TensorSpec(np.dtype(np.int64), (-1, -1), names_in[0])] +
-                    [TensorSpec(np.dtype(np.float32), past_shape, n) for n in names_in[1:]])
+    names_out = output_names(cfg.n_layer)
+    inputs = Schema([TensorSpec(np.dtype(np.int64), (-1, -1), n) for n in INPUTS] +
+                    [TensorSpec(np.dtype(np.float32), past_shape, n) for n in past_names(cfg.n_layer)])
     outputs = Schema([TensorSpec(np.dtype(np.float32), (-1, -1, cfg.vocab_size), names_out[0])] +
                      [TensorSpec(np.dtype(np.float32), past_shape, n) for n in names_out[1:]])
     # One decoding step with a real KV cache (that of a short prompt): a zero-length past, the
@@ -62,7 +62,7 @@ def signature_and_example(lm: LanguageModel):
     prompt = lm.encode("def main():")[: cfg.block_size - 2] or [0]
     logits, past = lm.decoder.prefill(np.array([prompt], dtype=np.int64))
     next_token = np.array([[int(logits[0].argmax())]], dtype=np.int64)
-    example = {names_in[0]: next_token, **{n: np.asarray(t) for n, t in zip(names_in[1:], past)}}
+    example = decoder_feeds(cfg, next_token, [np.asarray(t) for t in past])
     return ModelSignature(inputs=inputs, outputs=outputs), example
 
 
