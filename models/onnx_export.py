@@ -1,10 +1,14 @@
 """Export a Llama to one ONNX decoder graph that serves both prefill and decoding.
 
-Inputs: ``input_ids`` (batch, seq) and, per layer, ``past_key_i`` / ``past_value_i``
-(batch, n_kv_head, past, head_dim). Outputs: ``logits`` (batch, seq, vocab) and
-``present_key_i`` / ``present_value_i`` (batch, n_kv_head, past + seq, head_dim). Batch,
-sequence and past length are dynamic: a past of length 0 is a plain forward pass (prefill,
-scoring), a past of length P continues from position P (decoding with the KV cache).
+The names and shapes are those ONNX Runtime GenAI's model builder and optimum write, so
+those runtimes load the graph as it is. Inputs: ``input_ids`` (batch, seq) int64,
+``attention_mask`` (batch, past + seq) int64 with 0 at padding, ``position_ids`` (batch, seq)
+int64 and, per layer N, ``past_key_values.N.key`` / ``past_key_values.N.value`` (batch,
+n_kv_head, past, head_dim). Outputs: ``logits`` (batch, seq, vocab) and ``present.N.key`` /
+``present.N.value`` (batch, n_kv_head, past + seq, head_dim). Batch, sequence and past length
+are dynamic: a past of length 0 is a plain forward pass (prefill, scoring), a past of length P
+continues after it (decoding with the KV cache). Left-padded batches work through the mask:
+a padding slot is never attended to, and the caller gives each row its own positions.
 
 The graph also carries, as ONNX metadata, the model config and the tokenizer, so one
 ``.onnx`` file is everything ``cpuforge generate`` needs.
@@ -30,29 +34,43 @@ META_TOKENIZER = "cpuforge.tokenizer"
 META_EOD = "cpuforge.eod_id"
 
 
+# GenAI's genai_config spells the per-layer names as printf patterns.
+PAST_KEY, PAST_VALUE = "past_key_values.%d.key", "past_key_values.%d.value"
+PRESENT_KEY, PRESENT_VALUE = "present.%d.key", "present.%d.value"
+INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def past_names(n_layer: int) -> list[str]:
+    return [pattern % i for i in range(n_layer) for pattern in (PAST_KEY, PAST_VALUE)]
+
+
 def input_names(n_layer: int) -> list[str]:
-    return ["input_ids"] + [f"past_{kind}_{i}" for i in range(n_layer) for kind in ("key", "value")]
+    return [*INPUTS, *past_names(n_layer)]
 
 
 def output_names(n_layer: int) -> list[str]:
-    return ["logits"] + [f"present_{kind}_{i}" for i in range(n_layer) for kind in ("key", "value")]
+    return ["logits"] + [pattern % i for i in range(n_layer) for pattern in (PRESENT_KEY, PRESENT_VALUE)]
 
 
 class CachedDecoder(nn.Module):
-    """The model with its KV cache as explicit tensors and positions derived from the past length."""
+    """The model with its KV cache as explicit tensors, positions given per row, and a padding mask."""
 
     def __init__(self, model: Llama) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                *past: torch.Tensor) -> tuple[torch.Tensor, ...]:
         m = self.model
         past_len, seq = past[0].shape[2], input_ids.shape[1]
-        positions = torch.arange(seq) + past_len
-        cos, sin = m.rope_cos[positions], m.rope_sin[positions]
-        visible = torch.arange(past_len + seq)[None, :] <= positions[:, None]  # (seq, past + seq)
-        # An additive float mask: a boolean one exports as Where/IsNaN over every score (a fifth of the run time).
-        mask = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))
+        # (batch, 1, seq, head_dim/2): one rotation per row and token, shared by the heads.
+        cos, sin = m.rope_cos[position_ids].unsqueeze(1), m.rope_sin[position_ids].unsqueeze(1)
+        # Causal by slot in the cache (a padded row's slots are in order too), and never a padding slot.
+        causal = torch.arange(attention_mask.shape[1])[None, :] <= (torch.arange(seq) + past_len)[:, None]
+        visible = causal[None, None] & attention_mask.bool()[:, None, None, :]  # (batch, 1, seq, past + seq)
+        # An additive float mask: a boolean one exports as Where/IsNaN over every score (a fifth of the run
+        # time). The finite minimum, not -inf, keeps a padding query (nothing visible) free of NaN.
+        mask = torch.zeros(visible.shape).masked_fill(~visible, torch.finfo(torch.float32).min)
         x = m.tok_emb(input_ids)
         presents: list[torch.Tensor] = []
         for i, block in enumerate(m.blocks):
@@ -67,6 +85,25 @@ def empty_past(model_cfg, batch: int) -> list[np.ndarray]:
     return [empty] * (2 * model_cfg.n_layer)
 
 
+def decoder_feeds(model_cfg, ids: np.ndarray, past: list[np.ndarray] | None = None,
+                  attention_mask: np.ndarray | None = None, position_ids: np.ndarray | None = None
+                  ) -> dict[str, np.ndarray]:
+    """onnxruntime feeds for the graph. Without a mask every slot is real and the positions follow the
+    past; a padded batch gives its mask (past + seq wide) and positions (seq wide)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    batch, seq = ids.shape
+    if past is None:
+        past = empty_past(model_cfg, batch)
+    past_len = past[0].shape[2]
+    if attention_mask is None:
+        attention_mask = np.ones((batch, past_len + seq), dtype=np.int64)
+    if position_ids is None:
+        position_ids = np.broadcast_to(np.arange(past_len, past_len + seq, dtype=np.int64), (batch, seq))
+    return {"input_ids": ids, "attention_mask": np.asarray(attention_mask, dtype=np.int64),
+            "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64),
+            **dict(zip(past_names(model_cfg.n_layer), past))}
+
+
 def export_decoder(model: Llama, path: Path, opset: int, metadata: dict[str, str] | None = None) -> None:
     """Write the decoder graph to ``path`` with torch.onnx's dynamo exporter (checked with
     onnx.checker), with metadata attached."""
@@ -75,6 +112,7 @@ def export_decoder(model: Llama, path: Path, opset: int, metadata: dict[str, str
     wrapper = CachedDecoder(model).eval()
     # Example shapes must be distinct and above 1, or the exporter specialises on them.
     ids = torch.zeros((2, 3), dtype=torch.long)
+    mask, positions = torch.ones((2, 8), dtype=torch.long), torch.arange(5, 8).repeat(2, 1)
     past = [torch.zeros((2, cfg.n_kv_head, 5, cfg.head_dim)) for _ in range(2 * cfg.n_layer)]
     names_in, names_out = input_names(cfg.n_layer), output_names(cfg.n_layer)
     tmp = path.with_name(path.name + ".tmp")
@@ -82,18 +120,34 @@ def export_decoder(model: Llama, path: Path, opset: int, metadata: dict[str, str
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter is chatty about deprecated internals
         batch, seq, past_len = (torch.export.Dim(n) for n in ("batch", "seq", "past"))
-        shapes = [{0: batch, 1: seq}] + [{0: batch, 2: past_len}] * len(past)
-        program = torch.onnx.export(wrapper, (ids, *past), dynamo=True, opset_version=opset,
+        total = torch.export.Dim.AUTO  # past + seq: the exporter derives it from the graph
+        shapes = ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq}, tuple([{0: batch, 2: past_len}] * len(past)))
+        program = torch.onnx.export(wrapper, (ids, mask, positions, *past), dynamo=True, opset_version=opset,
                                     input_names=names_in, output_names=names_out,
-                                    dynamic_shapes=(shapes[0], tuple(shapes[1:])), optimize=True, verbose=False)
+                                    dynamic_shapes=shapes, optimize=True, verbose=False)
         program.save(str(tmp))
     proto = onnx.load(str(tmp))
+    _name_total_length(proto)
     if cfg.tie_embeddings:
         share_tied_embedding(proto)
     set_metadata(proto, {META_CONFIG: json.dumps(cfg.to_dict()), **(metadata or {})})
     onnx.checker.check_model(proto, full_check=True)
     onnx.save(proto, str(tmp))
     tmp.replace(path)
+
+
+def _name_total_length(proto: onnx.ModelProto) -> None:
+    """The exporter names the mask's width with a generated symbol; call it what it is, as the present
+    outputs do, so readers of the graph (and onnxruntime's shape planner) see one length."""
+    mask = next(i for i in proto.graph.input if i.name == "attention_mask")
+    generated = mask.type.tensor_type.shape.dim[1].dim_param
+    present = proto.graph.output[1].type.tensor_type.shape.dim[2].dim_param  # "past + seq"
+    if not generated or not present:
+        return
+    for info in (*proto.graph.input, *proto.graph.output, *proto.graph.value_info):
+        for dim in info.type.tensor_type.shape.dim:
+            if dim.dim_param == generated:
+                dim.dim_param = present
 
 
 def _embedding_gather(graph: onnx.GraphProto) -> onnx.NodeProto | None:

@@ -1,9 +1,11 @@
 """One way to run a language model, whatever it is stored as.
 
 A cpuforge model folder (``model.safetensors`` + ``config.json`` + ``tokenizer.json``) runs
-in PyTorch; an ``.onnx`` decoder (see models/onnx_export.py) runs in onnxruntime with its
-KV cache. Both offer the same three calls: ``logits`` for scoring and prefill, ``prefill``
-and ``step`` for generation. ``generate`` samples from either.
+in PyTorch; an ``.onnx`` decoder (see models/onnx_export.py), alone or in its ONNX Runtime
+GenAI folder (models/onnx_layout.py), runs in onnxruntime with its KV cache. Both offer the
+same three calls: ``logits`` for scoring and prefill, ``prefill`` and ``step`` for
+generation. ``generate`` samples from either. The ONNX decoder also runs left-padded
+batches (``OnnxDecoder.forward`` with a mask; ``left_pad`` builds one).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from tokenizers import Tokenizer
 from cpuforge.models.checkpoint import CONFIG, WEIGHTS, CheckpointError, load_model
 from cpuforge.models.config import LlamaConfig, ModelConfigError
 from cpuforge.models.llama import Llama, config_param_count
-from cpuforge.models.onnx_export import META_CONFIG, META_EOD, META_TOKENIZER, empty_past, input_names, output_names
+from cpuforge.models.onnx_export import META_CONFIG, META_EOD, META_TOKENIZER, decoder_feeds, output_names
+from cpuforge.models.onnx_layout import GENAI_CONFIG, decoder_file
 
 TOKENIZER = "tokenizer.json"
 # Preferred when a folder holds several ONNX files: the deployable one first.
@@ -74,25 +77,39 @@ class OnnxDecoder:
             options.intra_op_num_threads = threads
         options.log_severity_level = 3  # warnings about unused initializers etc. are not the user's business
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        self.past_names = input_names(cfg.n_layer)[1:]
         self.outputs = output_names(cfg.n_layer)
 
-    def _feeds(self, ids: np.ndarray, past: list[np.ndarray] | None) -> dict[str, np.ndarray]:
-        ids = np.asarray(ids, dtype=np.int64)
-        if past is None:
-            past = empty_past(self.cfg, ids.shape[0])
-        return {"input_ids": ids, **dict(zip(self.past_names, past))}
+    def forward(self, ids: np.ndarray, past: list[np.ndarray] | None = None, attention_mask: np.ndarray | None = None,
+                position_ids: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Logits (B, T, vocab) and the present keys/values. A padded batch passes its mask (0 at
+        padding, past + T wide) and each row's positions; without them every slot is a real token."""
+        logits, *present = self.session.run(
+            self.outputs, decoder_feeds(self.cfg, ids, past, attention_mask, position_ids))
+        return logits, present
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
-        return self.session.run(["logits"], self._feeds(ids, None))[0]
+        return self.session.run(["logits"], decoder_feeds(self.cfg, ids))[0]
 
     def prefill(self, ids: np.ndarray) -> tuple[np.ndarray, Any]:
-        logits, *present = self.session.run(self.outputs, self._feeds(ids, None))
+        logits, present = self.forward(ids)
         return logits[:, -1], present
 
     def step(self, ids: np.ndarray, cache: Any, position: int) -> tuple[np.ndarray, Any]:
-        logits, *present = self.session.run(self.outputs, self._feeds(ids, cache))
+        logits, present = self.forward(ids, cache)
         return logits[:, -1], present
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(input_ids, attention_mask, position_ids) of prompts of different lengths, padded on the left
+    so every row's last token is in the last column; each row's positions start at 0 on its first token."""
+    width = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), width), pad_id, dtype=np.int64)
+    mask = np.zeros((len(prompts), width), dtype=np.int64)
+    positions = np.zeros((len(prompts), width), dtype=np.int64)
+    for row, prompt in enumerate(prompts):
+        pad = width - len(prompt)
+        ids[row, pad:], mask[row, pad:], positions[row, pad:] = prompt, 1, np.arange(len(prompt))
+    return ids, mask, positions
 
 
 @dataclass
@@ -200,7 +217,8 @@ def generate(decoder: Decoder | Llama, prompt: list[int], max_new_tokens: int, t
 
 
 def load_language_model(path: Path, threads: int | None = None) -> LanguageModel:
-    """A model folder (PyTorch), an .onnx file, or a folder holding one; ModelLoadError says what is wrong."""
+    """A model folder (PyTorch), an .onnx file, or a folder holding one (an ONNX Runtime GenAI folder: the
+    file its genai_config.json names); ModelLoadError says what is wrong."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model not found: {path}")
@@ -211,7 +229,15 @@ def load_language_model(path: Path, threads: int | None = None) -> LanguageModel
             path = path / "model"
         if (path / CONFIG).is_file() or (path / WEIGHTS).is_file():
             return _load_torch(path)
-        onnx_files = [path / name for name in ONNX_NAMES if (path / name).is_file()] or sorted(path.glob("*.onnx"))
+        try:
+            named = decoder_file(path)
+        except (ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
+            raise ModelLoadError(f"{path / GENAI_CONFIG} is not a valid ONNX Runtime GenAI config "
+                                 f"({type(exc).__name__}: {exc})") from None
+        if named is not None and not named.is_file():
+            raise ModelLoadError(f"{path / GENAI_CONFIG} names {named.name}, which is not in {path}")
+        onnx_files = [named] if named is not None else (
+            [path / name for name in ONNX_NAMES if (path / name).is_file()] or sorted(path.glob("*.onnx")))
         if not onnx_files:
             raise ModelLoadError(f"{path} holds no model: expected {WEIGHTS} + {CONFIG} (PyTorch) or an .onnx file")
         path = onnx_files[0]

@@ -1,9 +1,12 @@
-"""Stage 5, export: the recovered model -> one ONNX decoder graph with a KV cache.
+"""Stage 5, export: the recovered model -> one ONNX decoder graph with a KV cache, in a folder
+that ONNX Runtime GenAI runs as it is.
 
-``model.onnx`` takes ``input_ids`` and the past keys/values per layer (a past of length 0 is
-a plain forward pass) and returns logits and the present keys/values, with dynamic batch,
-sequence and past length (models/onnx_export.py). It carries the model config and the
-tokenizer as metadata, so the file alone is enough to generate text.
+``model.onnx`` takes ``input_ids``, ``attention_mask``, ``position_ids`` and the past
+keys/values per layer (``past_key_values.N.key``/``.value``; a past of length 0 is a plain
+forward pass) and returns ``logits`` and ``present.N.key``/``.value``, with dynamic batch,
+sequence and past length (models/onnx_export.py). Beside it: ``genai_config.json``,
+``tokenizer.json`` and ``tokenizer_config.json`` (models/onnx_layout.py). The file also carries
+the model config and the tokenizer as metadata, so it alone is enough for cpuforge to generate.
 
 The stage then proves the file: ``onnx.checker``, logits against PyTorch on real validation
 windows (max abs difference, argmax agreement), and greedy generation with the KV cache in
@@ -22,6 +25,7 @@ from tokenizers import Tokenizer
 
 from cpuforge.models.checkpoint import load_model
 from cpuforge.models.onnx_export import META_EOD, META_TOKENIZER, export_decoder
+from cpuforge.models.onnx_layout import GENAI_CONFIG, TOKENIZER, TOKENIZER_CONFIG, write_layout
 from cpuforge.models.runtime import TorchDecoder, generate, load_language_model
 from cpuforge.tasks import stages
 from cpuforge.tasks.config import ExportConfig
@@ -52,9 +56,10 @@ def export_model(e: ExportConfig, tokenized: StageRecord, recovered: StageRecord
                 META_EOD: str(shards.eod_id)}
     path = out_dir / "model.onnx"
     export_decoder(model, path, e.opset, metadata)
+    layout = write_layout(out_dir, model.cfg, path.name, model_dir / "tokenizer.json", shards.eod_id)
     export_seconds = time.perf_counter() - started
 
-    onnx_lm = load_language_model(path)
+    onnx_lm = load_language_model(out_dir)  # through the folder, as a user would
     torch_decoder = TorchDecoder(model)
     batches = val_batches(shards.val, PARITY_BATCHES, 8, model.cfg.block_size)
     diff, agree, total = 0.0, 0, 0
@@ -82,5 +87,7 @@ def export_model(e: ExportConfig, tokenized: StageRecord, recovered: StageRecord
     if matches < len(prompts):
         raise ModelError(f"greedy generation with the ONNX KV cache differs from PyTorch's on "
                          f"{len(prompts) - matches} of {len(prompts)} prompts: the exported cache is wrong")
-    return StageOutput(metrics=metrics, files={"onnx": "model.onnx"}, artifacts=["model.onnx"],
+    return StageOutput(metrics=metrics, files={"onnx": "model.onnx", "genai_config": GENAI_CONFIG,
+                                               "tokenizer": TOKENIZER, "tokenizer_config": TOKENIZER_CONFIG},
+                       artifacts=["model.onnx", *layout],
                        info={"exporter": "torch.onnx dynamo", "torch": torch.__version__})

@@ -22,7 +22,9 @@ Rule (``choose``, a pure function of those figures):
 4. ``model.int8.onnx`` is int8, as its name promises: if no int8 candidate decodes as fast as
    fp32, the one that decodes closest to it is kept, and the metrics
    (``int8_decodes_slower_than_fp32``) and the report say that the fp32 model decodes faster.
-The kept one is ``model.int8.onnx``; every candidate stays in ``candidates/``.
+The kept one is ``model.int8.onnx``, with the export stage's ONNX Runtime GenAI files beside it
+(``genai_config.json`` naming it, the tokenizer files), so the output folder runs in GenAI as the
+export's does; every candidate stays in ``candidates/``.
 """
 
 from __future__ import annotations
@@ -39,13 +41,13 @@ import onnx
 
 from cpuforge.models.fileio import atomic_write_json, atomic_write_text
 from cpuforge.models.onnx_export import (
-    empty_past,
-    input_names,
+    decoder_feeds,
     read_metadata,
     reshare_after_quantization,
     set_metadata,
     share_tied_embedding,
 )
+from cpuforge.models.onnx_layout import GENAI_CONFIG, copy_layout
 from cpuforge.models.runtime import load_language_model
 from cpuforge.tasks import stages
 from cpuforge.tasks.config import QuantizeConfig
@@ -75,7 +77,6 @@ def candidate_methods(q: QuantizeConfig) -> list[str]:
 def _calibration_reader(shards, q: QuantizeConfig, model_cfg):
     from onnxruntime.quantization import CalibrationDataReader
 
-    names = input_names(model_cfg.n_layer)
     sampler = BatchSampler(shards.train, CALIB_BATCH, model_cfg.block_size, seed=CALIB_SEED)
 
     class TrainBatches(CalibrationDataReader):
@@ -87,7 +88,7 @@ def _calibration_reader(shards, q: QuantizeConfig, model_cfg):
                 return None
             x, _ = sampler.batch(self.step)
             self.step += 1
-            return {names[0]: x.numpy(), **dict(zip(names[1:], empty_past(model_cfg, CALIB_BATCH)))}
+            return decoder_feeds(model_cfg, x.numpy())
 
     return TrainBatches()
 
@@ -224,6 +225,7 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
         r.update(prefill_tok_s=round(best(speeds[name]["prefill_b1"]), 1),
                  decode_tok_s=round(best(speeds[name]["decode"]), 1), samples=speeds[name])
     shutil.copyfile(candidates / f"{kept}.onnx", out_dir / "model.int8.onnx")
+    layout = copy_layout(Path(exported.output_dir), out_dir, "model.int8.onnx")
     kept_r = results[kept]
     metrics: dict[str, float | int] = {
         "fp32_bytes": base["file_bytes"], "int8_bytes": kept_r["file_bytes"],
@@ -250,9 +252,9 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
              "%.2fx its decode speed (%d rounds); %s", kept, kept_r["file_bytes"] / 1e6, metrics["size_ratio"],
              kept_r["val_bpb"], metrics["bpb_increase_pct"], metrics["speedup_vs_fp32"],
              metrics["decode_speedup_vs_fp32"], rounds, why)
-    return StageOutput(metrics=metrics, files={"onnx": "model.int8.onnx", "candidates": "candidates",
-                                               "report": "quantize_report.md"},
-                       artifacts=["model.int8.onnx", "candidates.json", "quantize_report.md"],
+    return StageOutput(metrics=metrics, files={"onnx": "model.int8.onnx", "genai_config": GENAI_CONFIG,
+                                               "candidates": "candidates", "report": "quantize_report.md"},
+                       artifacts=["model.int8.onnx", *layout, "candidates.json", "quantize_report.md"],
                        info={"kept": kept, "rule": why, "int8_dot_product": report["int8_dot_product"]})
 
 

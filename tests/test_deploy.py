@@ -1,8 +1,10 @@
-"""From a trained model to a deployable one: ONNX export with a KV cache, int8 quantization, scoring,
-loading by path, the champion gate's rule, and clear errors for bad model files and text."""
+"""From a trained model to a deployable one: ONNX export with a KV cache in ONNX Runtime GenAI's layout,
+int8 quantization, scoring, loading by path, the champion gate's rule, and clear errors for bad model
+files and text."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +16,14 @@ import torch
 
 from cpuforge.models.checkpoint import load_model
 from cpuforge.models.onnx_export import META_CONFIG, read_metadata
-from cpuforge.models.runtime import ModelLoadError, OnnxDecoder, TorchDecoder, generate, load_language_model
+from cpuforge.models.runtime import (
+    ModelLoadError,
+    OnnxDecoder,
+    TorchDecoder,
+    generate,
+    left_pad,
+    load_language_model,
+)
 from cpuforge.tasks.config import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths
 from cpuforge.tasks.engine.scoring import Score, alternating_speeds, score_text, score_tokens
@@ -63,6 +72,12 @@ def test_export_matches_pytorch_and_carries_what_generation_needs(exported, trai
 
     model = load_model(trained.path("model"))
     torch_dec, onnx_dec = TorchDecoder(model), OnnxDecoder(record.path("onnx"), model.cfg)
+    n = model.cfg.n_layer
+    assert [i.name for i in onnx_dec.session.get_inputs()] == [
+        "input_ids", "attention_mask", "position_ids",
+        *[f"past_key_values.{i}.{kind}" for i in range(n) for kind in ("key", "value")]]
+    assert [o.name for o in onnx_dec.session.get_outputs()] == [
+        "logits", *[f"present.{i}.{kind}" for i in range(n) for kind in ("key", "value")]]
     # Dynamic batch and sequence: shapes never seen at export time.
     for shape in ((1, 5), (3, 17), (2, model.cfg.block_size)):
         ids = np.random.default_rng(0).integers(0, model.cfg.vocab_size, size=shape)
@@ -73,6 +88,103 @@ def test_export_matches_pytorch_and_carries_what_generation_needs(exported, trai
     gen = torch.Generator().manual_seed(0)
     sampled = list(generate(onnx_dec, prompt, 20, temperature=1.0, top_k=10, generator=gen))
     assert len(sampled) == 20 and all(0 <= t < model.cfg.vocab_size for t in sampled)
+
+
+def test_export_and_quantize_folders_are_onnx_runtime_genai_folders(exported, quantized, trained):
+    cfg = load_model(trained.path("model")).cfg
+    for record, graph in ((exported[0], "model.onnx"), (quantized[0], "model.int8.onnx")):
+        folder = Path(record.output_dir)
+        config = json.loads((folder / "genai_config.json").read_text())
+        model, decoder = config["model"], config["model"]["decoder"]
+        assert model["type"] == "llama" and decoder["filename"] == graph and (folder / graph).is_file()
+        assert (model["context_length"], model["vocab_size"]) == (cfg.block_size, cfg.vocab_size)
+        assert (decoder["num_hidden_layers"], decoder["num_attention_heads"], decoder["num_key_value_heads"],
+                decoder["head_size"], decoder["hidden_size"]) == (cfg.n_layer, cfg.n_head, cfg.n_kv_head,
+                                                                  cfg.head_dim, cfg.d_model)
+        assert decoder["inputs"]["past_key_names"] == "past_key_values.%d.key"
+        assert decoder["outputs"]["present_value_names"] == "present.%d.value"
+        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+        lm = load_language_model(folder)  # cpuforge reads the folder too: the graph genai_config names
+        assert lm.path == folder / graph
+        assert tokenizer_config["eos_token"] == lm.tokenizer.id_to_token(model["eos_token_id"])
+        assert model["eos_token_id"] == lm.eod_id
+
+
+def _genai_greedy(og, model, prompts: list[list[int]], max_new_tokens: int, eos: int
+                  ) -> tuple[list[list[int]], list[np.ndarray]]:
+    """GenAI's greedy continuation of each prompt, as one batch, and its logits at every step."""
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    tokens = np.full((batch, width), eos, dtype=np.int32)  # padded on the right, as GenAI's encode_batch does
+    for row, prompt in enumerate(prompts):
+        tokens[row, :len(prompt)] = prompt
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=width + max_new_tokens, batch_size=batch)
+    generator = og.Generator(model, params)
+    generator.append_tokens(tokens)
+    steps = []
+    while not generator.is_done():
+        steps.append(np.asarray(generator.get_logits()).reshape(batch, -1))
+        generator.generate_next_token()
+    out = []
+    for row in range(batch):
+        new = [int(t) for t in generator.get_sequence(row)][width:]
+        out.append(new[:new.index(eos)] if eos in new else new)  # GenAI keeps the end token; cpuforge stops before it
+    return out, steps
+
+
+@pytest.mark.parametrize("stage", ["export", "quantize"])
+def test_onnx_runtime_genai_generates_cpuforge_greedy_tokens(stage, exported, quantized):
+    import onnxruntime_genai as og
+
+    folder = Path((exported if stage == "export" else quantized)[0].output_dir)
+    lm = load_language_model(folder)
+    model = og.Model(str(folder))
+    tokenizer = og.Tokenizer(model)
+    for text in ("The model", "def main():\n    return x  # done", "Tabs\tand  spaces, caf\u00e9 \u2014 \u00fcber"):
+        prompt = lm.encode(text)
+        assert [int(t) for t in tokenizer.encode(text)] == prompt  # GenAI reads the byte-level BPE as cpuforge does
+        ours = list(generate(lm.decoder, prompt, 24, temperature=0.0, stop_token=lm.eod_id))
+        (theirs,), steps = _genai_greedy(og, model, [prompt], 24, lm.eod_id)
+        assert theirs == ours and ours
+        assert tokenizer.decode(theirs) == lm.tokenizer.decode(ours)
+        if stage == "export":  # fp32: GenAI's logits with its KV cache are the plain forward pass's
+            for i, got in enumerate(steps):
+                expected = lm.decoder.logits(np.array([prompt + ours[:i]]))[0, -1]
+                assert np.abs(got[0] - expected).max() < 1e-4
+
+
+def test_onnx_runtime_genai_batches_prompts_of_different_lengths(exported):
+    import onnxruntime_genai as og
+
+    folder = Path(exported[0].output_dir)
+    lm = load_language_model(folder)
+    model = og.Model(str(folder))
+    prompts = [lm.encode("The model reads text and learns to predict"), lm.encode("A cat")]
+    together, steps = _genai_greedy(og, model, prompts, 12, lm.eod_id)
+    for row, prompt in enumerate(prompts):
+        assert together[row] == list(generate(lm.decoder, prompt, 12, temperature=0.0, stop_token=lm.eod_id))
+        assert np.abs(steps[0][row] - lm.decoder.logits(np.array([prompt]))[0, -1]).max() < 1e-4
+
+
+def test_left_padded_batch_gives_each_prompt_its_own_logits(exported):
+    lm = load_language_model(exported[0].path("onnx"))
+    decoder = lm.decoder
+    long, short = lm.encode("The model reads text and learns to predict"), lm.encode("A cat")
+    assert len(long) > len(short) + 3
+    ids, mask, positions = left_pad([long, short], lm.eod_id)
+    assert mask[1, 0] == 0 and positions[1, -1] == len(short) - 1
+    logits, cache = decoder.forward(ids, attention_mask=mask, position_ids=positions)
+    assert np.isfinite(logits).all()  # padding queries see nothing, and still give no NaN
+    alone = [decoder.forward(np.array([p]))[0] for p in (long, short)]
+    for row in range(2):
+        assert np.abs(logits[row, -1] - alone[row][0, -1]).max() < 1e-4
+    # One decoding step on the padded cache: the mask grows by the new slot, positions go on per row.
+    nxt = np.array([[int(a[0, -1].argmax())] for a in alone])
+    stepped, _ = decoder.forward(nxt, cache, np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1),
+                                 np.array([[len(long)], [len(short)]]))
+    for row, prompt in enumerate((long, short)):
+        reference = decoder.logits(np.array([prompt + [int(nxt[row, 0])]]))[0, -1]
+        assert np.abs(stepped[row, -1] - reference).max() < 1e-4
 
 
 def test_tied_embedding_is_stored_once(exported, trained):
