@@ -121,7 +121,8 @@ def export_decoder(model: Llama, path: Path, opset: int, metadata: dict[str, str
         warnings.simplefilter("ignore")  # the exporter is chatty about deprecated internals
         batch, seq, past_len = (torch.export.Dim(n) for n in ("batch", "seq", "past"))
         total = torch.export.Dim.AUTO  # past + seq: the exporter derives it from the graph
-        shapes = ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq}, tuple([{0: batch, 2: past_len}] * len(past)))
+        shapes = ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq},
+                  tuple([{0: batch, 2: past_len}] * len(past)))
         program = torch.onnx.export(wrapper, (ids, mask, positions, *past), dynamo=True, opset_version=opset,
                                     input_names=names_in, output_names=names_out,
                                     dynamic_shapes=shapes, optimize=True, verbose=False)
