@@ -18,6 +18,7 @@ from cpuforge.flows.session import (
 from cpuforge.tasks import stages
 from cpuforge.tasks.evaluate import evaluate_task
 from cpuforge.tasks.export import export_task
+from cpuforge.tasks.gguf import gguf_task
 from cpuforge.tasks.infra.stage import StageContext
 from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.lineage import PretrainedSource, find_init_task, lineage_tags
@@ -79,12 +80,13 @@ def pipeline(
 
 def compression_half(summary: dict[str, Any], ctx: StageContext, tokenized: StageRecord, pretrained: StageRecord,
                      source: PretrainedSource | None) -> None:
-    """prune -> recover -> export -> quantize -> evaluate, then register through the champion gate."""
+    """prune -> recover -> export -> quantize -> evaluate -> gguf, then register through the champion gate."""
     pruned = run_stage_task(prune_task, summary, ctx, tokenize=tokenized, pretrain=pretrained)
     recovered = run_stage_task(recover_task, summary, ctx, tokenize=tokenized, pretrain=pretrained, prune=pruned)
     exported = run_stage_task(export_task, summary, ctx, tokenize=tokenized, recover=recovered)
     quantized = run_stage_task(quantize_task, summary, ctx, tokenize=tokenized, export=exported)
     evaluated = run_stage_task(evaluate_task, summary, ctx, tokenize=tokenized, pretrain=pretrained, prune=pruned,
                                recover=recovered, export=exported, quantize=quantized)
+    run_stage_task(gguf_task, summary, ctx, tokenize=tokenized, recover=recovered)
     lineage = lineage_tags(ctx.cfg, pretrained.mlflow_run_id, source)
     summary["registry"] = register_task(ctx, tokenized, quantized, evaluated, lineage)

@@ -24,9 +24,11 @@ QUANTIZE = StageSpec(name="quantize", version="2", sections=("quantize",), modul
                      needs=("tokenize", "export"))  # 2: the rule weighs decode
 EVALUATE = StageSpec(name="evaluate", version="2", sections=("eval",), module="cpuforge.tasks.evaluate",
                      needs=("tokenize", "pretrain", "prune", "recover", "export", "quantize"))  # 2: speeds alternate
+# The final model as GGUF for llama.cpp. Last: it takes only tokenize and recover, and `--rebuild evaluate` need not redo it.
+GGUF = StageSpec(name="gguf", version="1", sections=(), module="cpuforge.tasks.gguf", needs=("tokenize", "recover"))
 
-PIPELINE: tuple[StageSpec, ...] = (TOKENIZE, PRETRAIN, PRUNE, RECOVER, EXPORT, QUANTIZE, EVALUATE)
-COMPRESS: tuple[StageSpec, ...] = (TOKENIZE, ADOPT, PRUNE, RECOVER, EXPORT, QUANTIZE, EVALUATE)
+PIPELINE: tuple[StageSpec, ...] = (TOKENIZE, PRETRAIN, PRUNE, RECOVER, EXPORT, QUANTIZE, EVALUATE, GGUF)
+COMPRESS: tuple[StageSpec, ...] = (TOKENIZE, ADOPT, PRUNE, RECOVER, EXPORT, QUANTIZE, EVALUATE, GGUF)
 BY_NAME = {spec.name: spec for spec in (*PIPELINE, ADOPT)}
 
 
