@@ -150,11 +150,15 @@ def test_a_tokenizer_llama_cpp_would_split_differently_is_refused(tmp_path):
 
 # --- llama.cpp itself -----------------------------------------------------------------------------
 
-def llama_cpp_model(path: Path, logits_all: bool = False):
+def llama_cpp_model(path: Path, logits_all: bool = False, f32_cache: bool = False):
+    """llama.cpp with its defaults, or (f32_cache) keys and values cached in f32 rather than f16, so that
+    its logits can be compared with cpuforge's to float32 precision."""
     llama_cpp = pytest.importorskip(
         "llama_cpp", reason="llama.cpp is not installed: `pip install llama-cpp-python` (builds from source, "
                             "~6 min; too long for CI) to check GGUF files against llama.cpp itself")
-    return llama_cpp.Llama(model_path=str(path), n_ctx=BLOCK, n_threads=2, logits_all=logits_all, verbose=False)
+    cache = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32} if f32_cache else {}
+    return llama_cpp.Llama(model_path=str(path), n_ctx=BLOCK, n_threads=2, logits_all=logits_all, verbose=False,
+                           **cache)
 
 
 def llama_cpp_greedy(llm, prompt: list[int], n: int) -> list[int]:
@@ -181,7 +185,7 @@ def test_llama_cpp_tokenizes_as_cpuforge_does(stage_inputs, gguf_files):
 def test_llama_cpp_computes_what_cpuforge_computes(stage_inputs, gguf_files):
     tokenized, recovered = stage_inputs
     model = load_model(recovered.path("model"))
-    llm = llama_cpp_model(gguf_files["gguf_f32"], logits_all=True)
+    llm = llama_cpp_model(gguf_files["gguf_f32"], logits_all=True, f32_cache=True)
     window = [t for p in prompts_of(tokenized, 4, 16) for t in p]
     llm.reset()
     llm.eval(window)
