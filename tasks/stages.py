@@ -55,7 +55,14 @@ EVALUATE = StageSpec(
     needs=("tokenize", *(spec.name for spec in _MODEL_STAGES)), provides=("variants", "report", "samples"),
 )
 
-PIPELINE: tuple[StageSpec, ...] = (TOKENIZE, *_MODEL_STAGES, EVALUATE)
+# The final model as GGUF for llama.cpp. After evaluate: it takes only tokenize and recover, and
+# `--rebuild evaluate` need not redo it.
+GGUF = StageSpec(
+    name="gguf", version="1", sections=(), module="cpuforge.tasks.gguf", needs=("tokenize", "recover"),
+    provides=("gguf_f32", "gguf_q8_0"),
+)
+
+PIPELINE: tuple[StageSpec, ...] = (TOKENIZE, *_MODEL_STAGES, EVALUATE, GGUF)
 COMPRESS: tuple[StageSpec, ...] = tuple(ADOPT if spec is PRETRAIN else spec for spec in PIPELINE)
 BY_NAME = {spec.name: spec for spec in (*PIPELINE, ADOPT)}
 

@@ -55,7 +55,7 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
                  "vocab_size", "tokens_per_s"):
         assert tok["metrics"][name] > 0
     assert (workdir / "runs" / first["run_id"] / "summary.json").is_file()
-    stages = ("tokenize", "pretrain", "prune", "recover", "export", "quantize", "evaluate")
+    stages = ("tokenize", "pretrain", "prune", "recover", "export", "quantize", "evaluate", "gguf")
     assert prefect_task_states(first["run_id"]) == {name: "Completed" for name in (*stages, "register")}
     assert list(first["stages"]) == list(stages)
 

@@ -92,9 +92,9 @@ def test_every_setting_rekeys_the_stages_that_declare_it_and_those_after_them(tm
 
 
 def test_the_stage_modules_take_their_declarations_from_the_registry():
-    from cpuforge.tasks import adopt, evaluate, export, pretrain, prune, quantize, recover, tokenize
+    from cpuforge.tasks import adopt, evaluate, export, gguf, pretrain, prune, quantize, recover, tokenize
 
-    modules = (tokenize, pretrain, adopt, prune, recover, export, quantize, evaluate)
+    modules = (tokenize, pretrain, adopt, prune, recover, export, quantize, evaluate, gguf)
     assert {m.SPEC.name: m.SPEC for m in modules} == stages.BY_NAME
     assert all(m.__name__ == m.SPEC.module for m in modules)
     for spec in stages.PIPELINE:  # every input comes from a stage before it
@@ -132,7 +132,7 @@ def test_report_settings_do_not_retrain_a_model(tmp_path):
 
 
 def test_rebuild_names_a_stage_and_everything_after_it():
-    assert stages.from_stage("recover") == {"recover", "export", "quantize", "evaluate"}
+    assert stages.from_stage("recover") == {"recover", "export", "quantize", "evaluate", "gguf"}
     assert stages.from_stage("adopt", stages.COMPRESS) == set(stages.names(stages.COMPRESS)[1:])
     with pytest.raises(ValueError, match="unknown stage 'pretrian'"):
         stages.from_stage("pretrian")

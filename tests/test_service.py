@@ -27,7 +27,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("tokenize", "pretrain", "prune", "recover", "export", "quantize", "evaluate")
+STAGES = ("tokenize", "pretrain", "prune", "recover", "export", "quantize", "evaluate", "gguf")
 
 
 def free_port() -> int:

@@ -21,7 +21,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "CPUFORGE_FAULT_MARKER"
-STAGES = ("tokenize", "pretrain", "prune", "recover", "export", "quantize", "evaluate")
+STAGES = ("tokenize", "pretrain", "prune", "recover", "export", "quantize", "evaluate", "gguf")
 # The tiny profile with step budgets instead of wall-clock ones, so an interrupted and an
 # uninterrupted run must produce the same weights bit for bit; training long enough to be hit
 # mid-stage; scoring and timing kept short (they decide nothing here).

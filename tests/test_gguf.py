@@ -1,0 +1,219 @@
+"""GGUF for llama.cpp: the gguf stage's files as a GGUF reader sees them, and (with llama-cpp-python
+installed) llama.cpp itself tokenizing and generating exactly as cpuforge does.
+
+The model is of a pruned shape (head_dim 32 while d_model / n_head is 16; an MLP width that is not
+a multiple of q8_0's 32-value blocks), trained for a few seconds on the tokenize stage's output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from cpuforge.models.checkpoint import load_model, save_model
+from cpuforge.models.config import LlamaConfig
+from cpuforge.models.gguf_export import GGUFExportError, write_gguf
+from cpuforge.models.llama import Llama
+from cpuforge.models.runtime import generate
+from cpuforge.tasks.config import load_config
+from cpuforge.tasks.engine.data import BatchSampler, open_shards
+from cpuforge.tasks.gguf import export_gguf
+from cpuforge.tasks.infra.store import StageRecord
+from cpuforge.tasks.tokenize import tokenize
+from tests.conftest import make_text
+
+BLOCK = 64
+TEXTS = [
+    "Hello world",
+    "def main():\n    return 42\n",
+    "digits 0 7 12 345 6789 3.14159 and 1,000,000",
+    "  leading spaces, two  inside,\ttabs\tand trailing   ",
+    "lines\n\nblank\r\nwindows\n\n\n",
+    "Grüße, naïve café — 日本語のテキスト 🙂",
+    "it's they're we've I'll you'd",
+    "the model says <|endoftext|> as text",
+]
+
+
+def train_briefly(model: Llama, shards, steps: int = 60) -> None:
+    """Enough training that greedy choices are not near-ties between random logits."""
+    torch.manual_seed(0)
+    sampler = BatchSampler(shards.train, 8, BLOCK, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for step in range(steps):
+        x, y = sampler.batch(step)
+        optimizer.zero_grad()
+        model.loss(x, y).backward()
+        optimizer.step()
+    model.eval()
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def stage_inputs(request, tmp_path_factory) -> tuple[StageRecord, StageRecord]:
+    """(tokenize's record, recover's record) as the gguf stage receives them."""
+    root = tmp_path_factory.mktemp("gguf")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(30):
+        (corpus / f"doc{i}.txt").write_text(make_text(i), encoding="utf-8")
+    (corpus / "unicode.txt").write_text("Grüße, naïve café — 日本語のテキスト 🙂\n" * 20, encoding="utf-8")
+    tokenized = root / "tokenize"
+    tokenized.mkdir()
+    cfg = load_config("tiny", overrides=[f"data.source={corpus}", "data.max_docs=null"])
+    tokenize(cfg.data, cfg.tokenizer, tokenized, root / "cache")
+    shards = open_shards(tokenized, BLOCK)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=shards.vocab_size, n_layer=2, n_head=4, n_kv_head=2, d_model=64,
+                              head_dim_override=32, d_mlp=80, block_size=BLOCK, tie_embeddings=request.param))
+    train_briefly(model, shards)
+    model_dir = root / "recover" / "model"
+    save_model(model, model_dir)
+    shutil.copy(tokenized / "tokenizer.json", model_dir / "tokenizer.json")
+    return (StageRecord(stage="tokenize", key="tokenize-test", output_dir=str(tokenized)),
+            StageRecord(stage="recover", key="recover-test", output_dir=str(root / "recover"),
+                        files={"model": "model"}))
+
+
+@pytest.fixture(scope="module")
+def gguf_files(stage_inputs, tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("gguf-out")
+    output = export_gguf(*stage_inputs, out)
+    return {role: out / name for role, name in output.files.items()}
+
+
+def field(reader: gguf.GGUFReader, key: str):
+    return reader.fields[key].contents()
+
+
+def test_the_files_hold_the_model_under_llama_cpp_names_and_metadata(stage_inputs, gguf_files):
+    tokenized, recovered = stage_inputs
+    cfg = load_model(recovered.path("model")).cfg
+    tokenizer = Tokenizer.from_file(str(recovered.path("model") / "tokenizer.json"))
+    eod = open_shards(Path(tokenized.output_dir), BLOCK).eod_id
+    expected_shapes = {"token_embd.weight": [cfg.d_model, cfg.vocab_size], "output_norm.weight": [cfg.d_model]}
+    if not cfg.tie_embeddings:  # llama.cpp falls back to token_embd when output is absent
+        expected_shapes["output.weight"] = [cfg.d_model, cfg.vocab_size]
+    q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+    for i in range(cfg.n_layer):  # ggml lists dimensions innermost first
+        expected_shapes.update({
+            f"blk.{i}.attn_norm.weight": [cfg.d_model], f"blk.{i}.ffn_norm.weight": [cfg.d_model],
+            f"blk.{i}.attn_q.weight": [cfg.d_model, q], f"blk.{i}.attn_k.weight": [cfg.d_model, kv],
+            f"blk.{i}.attn_v.weight": [cfg.d_model, kv], f"blk.{i}.attn_output.weight": [q, cfg.d_model],
+            f"blk.{i}.ffn_gate.weight": [cfg.d_model, cfg.d_mlp], f"blk.{i}.ffn_up.weight": [cfg.d_model, cfg.d_mlp],
+            f"blk.{i}.ffn_down.weight": [cfg.d_mlp, cfg.d_model]})
+    vocab = {i: t for t, i in tokenizer.get_vocab().items()}
+    for role, path in gguf_files.items():
+        reader = gguf.GGUFReader(path)
+        assert {t.name: t.shape.tolist() for t in reader.tensors} == expected_shapes
+        assert field(reader, "general.architecture") == "llama"
+        assert {k: field(reader, f"llama.{k}") for k in (
+            "context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+            "attention.head_count_kv", "attention.key_length", "attention.value_length", "rope.dimension_count",
+            "vocab_size")} == {
+            "context_length": BLOCK, "embedding_length": 64, "block_count": 2, "feed_forward_length": 80,
+            "attention.head_count": 4, "attention.head_count_kv": 2, "attention.key_length": 32,
+            "attention.value_length": 32, "rope.dimension_count": 32, "vocab_size": cfg.vocab_size}
+        assert field(reader, "llama.rope.freq_base") == cfg.rope_theta
+        assert field(reader, "llama.attention.layer_norm_rms_epsilon") == pytest.approx(cfg.norm_eps)
+        assert field(reader, "tokenizer.ggml.model") == "gpt2" and field(reader, "tokenizer.ggml.pre") == "gpt-2"
+        assert field(reader, "tokenizer.ggml.tokens") == [vocab[i] for i in range(cfg.vocab_size)]
+        types = field(reader, "tokenizer.ggml.token_type")
+        assert types[eod] == gguf.TokenType.CONTROL and types.count(gguf.TokenType.NORMAL) == cfg.vocab_size - 1
+        assert len(field(reader, "tokenizer.ggml.merges")) > 0
+        assert field(reader, "tokenizer.ggml.bos_token_id") == field(reader, "tokenizer.ggml.eos_token_id") == eod
+        assert field(reader, "tokenizer.ggml.add_bos_token") is False
+        by_type = {t.name: t.tensor_type.name for t in reader.tensors}
+        if role == "gguf_f32":
+            assert set(by_type.values()) == {"F32"}
+        else:  # rows of 80 values do not split into 32-value blocks: f16, like llama.cpp's converter
+            assert by_type["blk.0.attn_q.weight"] == by_type["token_embd.weight"] == "Q8_0"
+            assert by_type["blk.0.ffn_down.weight"] == "F16" and by_type["blk.0.attn_norm.weight"] == "F32"
+    assert gguf_files["gguf_q8_0"].stat().st_size < gguf_files["gguf_f32"].stat().st_size / 2.5
+
+
+def test_a_tokenizer_llama_cpp_would_split_differently_is_refused(tmp_path):
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<|endoftext|>"])
+    model = Llama(LlamaConfig(vocab_size=8, n_layer=1, n_head=2, n_kv_head=1, d_model=16, d_mlp=32, block_size=16))
+    with pytest.raises(GGUFExportError, match="pre-tokenizer"):
+        write_gguf(model, tokenizer, 0, tmp_path / "model.gguf")
+    assert not list(tmp_path.iterdir())
+
+
+# --- llama.cpp itself -----------------------------------------------------------------------------
+
+def llama_cpp_model(path: Path, logits_all: bool = False, f32_cache: bool = False):
+    """llama.cpp with its defaults, or (f32_cache) keys and values cached in f32 rather than f16, so that
+    its logits can be compared with cpuforge's to float32 precision."""
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama.cpp is not installed: `pip install llama-cpp-python` (builds from source, "
+                            "~6 min; too long for CI) to check GGUF files against llama.cpp itself")
+    cache = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32} if f32_cache else {}
+    return llama_cpp.Llama(model_path=str(path), n_ctx=BLOCK, n_threads=2, logits_all=logits_all, verbose=False,
+                           **cache)
+
+
+def llama_cpp_greedy(llm, prompt: list[int], n: int) -> list[int]:
+    stream = llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True)
+    return list(itertools.islice(stream, n))
+
+
+def prompts_of(tokenized: StageRecord, n: int = 4, length: int = 8) -> list[list[int]]:
+    val = open_shards(Path(tokenized.output_dir), BLOCK).val
+    starts = np.linspace(0, len(val) - length - 1, n).astype(int)
+    return [[int(t) for t in val[s:s + length]] for s in starts]
+
+
+def test_llama_cpp_tokenizes_as_cpuforge_does(stage_inputs, gguf_files):
+    llm = llama_cpp_model(gguf_files["gguf_f32"])
+    tokenizer = Tokenizer.from_file(str(stage_inputs[1].path("model") / "tokenizer.json"))
+    tokenizer.encode_special_tokens = True  # as the tokenize stage encodes documents: the EOD spelling is text
+    for text in TEXTS:
+        ours = tokenizer.encode(text, add_special_tokens=False).ids
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == ours, text
+        assert llm.detokenize(ours).decode() == text
+
+
+def test_llama_cpp_computes_what_cpuforge_computes(stage_inputs, gguf_files):
+    tokenized, recovered = stage_inputs
+    model = load_model(recovered.path("model"))
+    llm = llama_cpp_model(gguf_files["gguf_f32"], logits_all=True, f32_cache=True)
+    window = [t for p in prompts_of(tokenized, 4, 16) for t in p]
+    llm.reset()
+    llm.eval(window)
+    with torch.no_grad():
+        ours = model(torch.tensor([window]))[0][0].numpy()
+    assert np.abs(np.asarray(llm.scores[:len(window)]) - ours).max() < 1e-3
+
+
+def test_llama_cpp_greedy_generation_equals_cpuforge_token_for_token(stage_inputs, gguf_files):
+    tokenized, recovered = stage_inputs
+    model = load_model(recovered.path("model"))
+    llm = llama_cpp_model(gguf_files["gguf_f32"])
+    n = 40
+    for prompt in prompts_of(tokenized):
+        assert llama_cpp_greedy(llm, prompt, n) == list(generate(model, prompt, n)), prompt
+
+
+def test_llama_cpp_runs_the_q8_0_file(stage_inputs, gguf_files):
+    tokenized, recovered = stage_inputs
+    model = load_model(recovered.path("model"))
+    llm = llama_cpp_model(gguf_files["gguf_q8_0"], logits_all=True)
+    prompt = prompts_of(tokenized, 1, 32)[0]
+    llm.reset()
+    llm.eval(prompt)
+    with torch.no_grad():
+        ours = model(torch.tensor([prompt]))[0][0].numpy()
+    theirs = np.asarray(llm.scores[:len(prompt)])
+    # 8-bit weights move the logits a little, not the model's choices as a whole
+    assert (theirs.argmax(-1) == ours.argmax(-1)).mean() >= 0.8
+    assert len(llama_cpp_greedy(llm, prompt[:8], 24)) == 24
