@@ -34,7 +34,7 @@ from cpuforge.models.fileio import atomic_write_json, atomic_write_text
 from cpuforge.tasks import stages
 from cpuforge.tasks.config import Config
 from cpuforge.tasks.engine.hardware import available_cores
-from cpuforge.tasks.infra import tracking
+from cpuforge.tasks.infra import live, tracking
 from cpuforge.tasks.infra.publish import finish_stage
 from cpuforge.tasks.infra.stage import StageContext, StageOutput, run_stage
 from cpuforge.tasks.infra.store import StageRecord
@@ -66,15 +66,23 @@ def _measure_in_fresh_process(name: str, **kwargs: Any) -> Any:
         return json.loads(result.read_text())
 
 
-def evaluate(cfg: Config, tokenized: StageRecord, paths: dict[str, Path], out_dir: Path, run_id: str) -> StageOutput:
+def evaluate(cfg: Config, tokenized: StageRecord, paths: dict[str, Path], out_dir: Path, run_id: str,
+             report: live.Report = live.nothing) -> StageOutput:
+    """Every variant measured alike; ``report(fraction, headline)`` follows it variant by variant
+    (the speed rounds over all of them count as one more)."""
     started = time.perf_counter()
     e = cfg.eval
     variants: list[dict[str, Any]] = []
-    for name, path in paths.items():
+    steps = len(paths) + 1
+    for i, (name, path) in enumerate(paths.items()):
+        report(i / steps, {"phase": f"measuring {name}", **{f"{v['variant']} val bits per byte": v["val_bpb"]
+                                                              for v in variants}}, force=i == 0)
         result = _measure_in_fresh_process(
             name, model_path=str(path), tokenize_dir=tokenized.output_dir, max_tokens=e.max_tokens, batch_sizes=e.batch_sizes,
             prompts=e.prompts, max_new_tokens=e.max_new_tokens, threads=available_cores(), seed=SAMPLE_SEED)
         variants.append({"variant": name, **result})
+    report(len(paths) / steps, {"phase": "timing every variant in alternation",
+                                **{f"{v['variant']} val bits per byte": v["val_bpb"] for v in variants}})
     speeds = _measure_in_fresh_process(
         "speeds", speeds=True, model_paths={name: str(path) for name, path in paths.items()},
         batch_sizes=e.batch_sizes, decode_tokens=e.decode_tokens, threads=available_cores(), rounds=SPEED_ROUNDS)
@@ -192,10 +200,11 @@ def plot_variants(variants: list[dict[str, Any]], path: Path, batch: int) -> Non
 def evaluate_task(ctx: StageContext, tokenize: StageRecord, pretrain: StageRecord, prune: StageRecord,
                   recover: StageRecord, export: StageRecord, quantize: StageRecord) -> State:
     paths = variant_paths(pretrain, prune, recover, export, quantize)
-    record = run_stage(
-        SPEC, ctx, lambda out_dir, run_id: evaluate(ctx.cfg, tokenize, paths, out_dir, run_id),
-        inputs={"tokenize": tokenize, "pretrain": pretrain, "prune": prune, "recover": recover, "export": export,
-                "quantize": quantize})
+    with live.live_stage(SPEC.name) as report:
+        record = run_stage(
+            SPEC, ctx, lambda out_dir, run_id: evaluate(ctx.cfg, tokenize, paths, out_dir, run_id, report),
+            inputs={"tokenize": tokenize, "pretrain": pretrain, "prune": prune, "recover": recover, "export": export,
+                    "quantize": quantize})
     if TaskRunContext.get() is not None:
         variants = record.info["summary"]["variants"]
         create_table_artifact(key="cpuforge-evaluation", table=table_rows(variants),

@@ -31,15 +31,17 @@ from cpuforge.tasks.config import Config
 from cpuforge.tasks.engine import sharding
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.hardware import available_cores, choose_precision, matmul_peak
-from cpuforge.tasks.engine.progress import budget_bar
+from cpuforge.tasks.engine.progress import ProgressFile, budget_bar
 from cpuforge.tasks.engine.rendezvous import torchrun_command
 from cpuforge.tasks.engine.trainer import TrainSettings, distillation_loss, lm_loss, train
 from cpuforge.tasks.errors import ConfigError
-from cpuforge.tasks.infra import tracking
+from cpuforge.tasks.infra import live, tracking
 from cpuforge.tasks.infra.locks import training_slot
 from cpuforge.tasks.infra.stage import StageContext
 
 log = logging.getLogger("cpuforge.training")
+
+PROGRESS_FILE = "progress.json"  # rank 0's latest progress, which the stage's process shows in Prefect
 
 
 def model_config(cfg: Config, vocab_size: int) -> LlamaConfig:
@@ -131,7 +133,10 @@ def execute(spec: dict[str, Any], cfg: Config) -> dict[str, Any]:
     """Train as the spec says, here or under torchrun; returns rank 0's result summary. Holds one of
     this machine's training slots meanwhile, waiting for one if they are all taken."""
     out_dir = Path(spec["out_dir"])
-    with training_slot(f"{spec['kind']} {out_dir.name}"):
+    progress = out_dir / PROGRESS_FILE
+    progress.unlink(missing_ok=True)  # an interrupted attempt's: this one reports afresh
+    with training_slot(f"{spec['kind']} {out_dir.name}"), live.live_stage(spec["kind"]) as report, \
+            live.watch_progress_file(progress, report):
         if world_size(cfg) > 1:
             # The stage's folder (stage name and key) names the rendezvous: the same on every machine,
             # and another stage or config never joins it by mistake.
@@ -178,9 +183,21 @@ def run_training(spec: dict[str, Any]) -> dict[str, Any]:
     logger = tracking.MetricLogger(spec["tracking_uri"], spec["run_id"]) if rank == 0 and spec.get("run_id") else None
 
     quiet = contextlib.nullcontext(lambda fraction, status: None)  # only rank 0 draws progress
+    live = ProgressFile(out_dir / PROGRESS_FILE) if rank == 0 else None
+
+    def log_metrics(metrics: dict[str, float], step: int) -> None:
+        if logger:
+            logger(metrics, step)
+        live.metrics(metrics, step)
+
     with budget_bar(spec["kind"]) if rank == 0 else quiet as update:
+        def on_progress(fraction: float, status: str) -> None:
+            update(fraction, status)
+            live.progress(fraction, status, final=fraction >= 1.0)
+
         result = train(model, shards.train, val, byte_lengths, train_settings, out_dir / "checkpoints",
-                       loss_fn=loss_fn, log_metrics=logger, on_progress=update)
+                       loss_fn=loss_fn, log_metrics=log_metrics if live else None,
+                       on_progress=on_progress if live else update)
     if logger:
         logger.flush()
     weights = sharding.full_weights(model)  # every rank takes part when the model is sharded
