@@ -9,8 +9,10 @@ import logging
 import math
 import os
 import re
+import shutil
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -47,12 +49,54 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default (where there is one to show) and keeps the examples' line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, "", [], argparse.SUPPRESS) or "%(default)" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _wrap(text: str) -> str:  # the formatter keeps line breaks (for the examples), so descriptions come wrapped
+    return textwrap.fill(text, width=min(100, shutil.get_terminal_size().columns - 2))
+
+
+def _examples(*lines: str) -> str:
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cpuforge")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cpuforge", description="Train small language models on CPUs alone.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="cpuforge", formatter_class=_Help,
+        description=_wrap("Train small language models on CPUs alone: tokenize -> pretrain -> prune -> recover "
+                          "(distillation) -> export ONNX -> quantize int8 -> evaluate -> register in MLflow, as a "
+                          "Prefect flow. Every stage's output is kept in the work folder and reused by the next "
+                          "run that needs it. `cpuforge COMMAND --help` explains each command."),
+        epilog=_examples("cpuforge run --profile tiny            # the whole pipeline in a few minutes",
+                         "cpuforge config --explain --profile demo   # every setting, what it does, its value",
+                         "cpuforge generate --model models:/cpuforge-lm@champion --prompt 'def '"))
+    parser.add_argument("--version", action="version", version=f"cpuforge {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, summary: str, description: str, examples: tuple[str, ...]) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=summary, description=_wrap(f"{summary[0].upper()}{summary[1:]}. {description}"),
+                              epilog=_examples(*examples), formatter_class=_Help)
+
+    from cpuforge.tasks.config import DEFAULT_PROFILE, available_profiles
 
     def config_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--profile", help="tiny | demo (default) | full")
+        p.add_argument("--profile", help=f"named preset of every setting: {' | '.join(available_profiles())} "
+                                         f"(default: {DEFAULT_PROFILE}; see `cpuforge config --explain`)")
         p.add_argument("--config", help="YAML file of config sections, applied over the profile")
         p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                        help="override one setting; repeatable")
@@ -65,18 +109,30 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--rebuild", metavar="STAGE", default="",
                        help="build this stage and every stage after it again, even where the work folder has them")
 
-    run = sub.add_parser("run", help="run the pipeline")
+    run = add("run", "run the whole pipeline",
+              "Stages whose inputs, settings and code are unchanged are reused from --workdir (shown as Cached in "
+              "Prefect); the rest are built and tracked in MLflow (one parent run, a nested run per stage). "
+              "The final model is registered, and becomes 'champion' when it beats the current one.",
+              ("cpuforge run --profile tiny --workdir /tmp/cpuforge-tiny",
+               "cpuforge run --set data.source=~/code --set train.max_minutes=30",
+               "cpuforge run --config my.yaml --rebuild recover   # recover and every stage after it again"))
     run_args(run)
     run.set_defaults(handler=_run)
 
-    plan = sub.add_parser("plan", help="show what `run` with the same arguments would reuse and build, and why, "
-                                       "without running anything")
+    plan = add("plan", "show what `run` with the same arguments would reuse and build, and why",
+               "Nothing is run: each stage's key is computed and looked up in --workdir.",
+               ("cpuforge plan --profile tiny --workdir /tmp/cpuforge-tiny",
+                "cpuforge plan --set train.lr=1e-3 --json"))
     run_args(plan, summary=False)
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(handler=_plan)
 
-    comp = sub.add_parser("compress", help="prune, recover, export, quantize, evaluate and register an existing "
-                                           "pretrained model (no pretraining)")
+    comp = add("compress", "prune, recover, export, quantize, evaluate and register an existing pretrained model",
+               "No pretraining: the model comes from --pretrained, the data (for calibration, distillation and "
+               "evaluation) from the config.",
+               ("cpuforge compress --profile tiny   # the registered champion's pretrained weights",
+                "cpuforge compress --pretrained runs:/RUN_ID/model --set prune.keep_ratio=0.3",
+                "cpuforge compress --pretrained cpuforge-runs/stages/pretrain-KEY"))
     run_args(comp)
     comp.add_argument("--pretrained", default="champion", metavar="SOURCE",
                       help="'champion' (default: the registered champion's pretrained weights), runs:/RUN_ID/model, "
@@ -84,8 +140,15 @@ def _parser() -> argparse.ArgumentParser:
                            "checkpoint with its tokenizer.json: a folder, or a Hugging Face Hub id)")
     comp.set_defaults(handler=_compress)
 
-    show = sub.add_parser("config", help="print the resolved configuration and exit")
+    show = add("config", "print the resolved configuration and exit",
+               "The profile, then --config, then each --set, as `run` would use them (YAML, which --config "
+               "accepts). --explain prints each setting's description, type, default and resolved value instead.",
+               ("cpuforge config --profile tiny > my.yaml   # a starting point to edit",
+                "cpuforge config --explain --profile demo",
+                "cpuforge config --explain --set train.max_minutes=60"))
     config_args(show)
+    show.add_argument("--explain", action="store_true",
+                      help="describe every setting: what it does, its type, default and resolved value")
     show.set_defaults(handler=_show_config)
 
     def model_args(p: argparse.ArgumentParser) -> None:
@@ -95,16 +158,24 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--tracking-uri", help="MLflow store for models:/ URIs (default: $MLFLOW_TRACKING_URI, "
                                               "else the store in ./cpuforge-runs)")
 
-    gen = sub.add_parser("generate", help="stream text from a model")
+    gen = add("generate", "stream text from a model",
+              "Any model cpuforge made: a PyTorch folder, an ONNX file (fp32 or int8), or a registered version.",
+              ("cpuforge generate --model models:/cpuforge-lm@champion --prompt 'def '",
+               "cpuforge generate --model cpuforge-runs/stages/quantize-KEY/model.int8.onnx --prompt 'import ' "
+               "--temperature 0",
+               "cpuforge generate --model runs:/RUN_ID/model --prompt 'class ' --seed 1 --max-new-tokens 50"))
     model_args(gen)
     gen.add_argument("--prompt", required=True, help="text to continue")
-    gen.add_argument("--max-new-tokens", type=int, default=200)
-    gen.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=40)
+    gen.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 = greedy")
+    gen.add_argument("--top-k", type=int, default=40, help="sample among the k likeliest tokens; 0 = all")
     gen.add_argument("--seed", type=int, default=None, help="fix the sampling for a repeatable output")
     gen.set_defaults(handler=_generate)
 
-    ev = sub.add_parser("evaluate", help="bits per byte and perplexity of a model on a text file")
+    ev = add("evaluate", "bits per byte and perplexity of a model on a text file",
+             "Bits per byte do not depend on the tokenizer, so models with different vocabularies compare fairly.",
+             ("cpuforge evaluate --model models:/cpuforge-lm@champion --text notes.txt",
+              "cpuforge evaluate --model cpuforge-runs/stages/recover-KEY --text notes.txt --json"))
     model_args(ev)
     ev.add_argument("--text", required=True, help="a UTF-8 text file, read with the model's own tokenizer")
     ev.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -290,7 +361,13 @@ def _print_rows(title: str, columns: tuple[str, ...], rows: list[dict[str, Any]]
 def _show_config(args: argparse.Namespace) -> int:
     from cpuforge.tasks.config import load_config
 
-    print(load_config(args.profile, args.config, args.overrides).to_yaml(), end="")
+    cfg = load_config(args.profile, args.config, args.overrides)
+    if args.explain:
+        from cpuforge.tasks.explain import explain
+
+        print(explain(cfg), end="")
+    else:
+        print(cfg.to_yaml(), end="")
     return 0
 
 

@@ -31,7 +31,7 @@ from cpuforge.models.fileio import atomic_write_json, atomic_write_text
 from cpuforge.tasks import stages
 from cpuforge.tasks.config import EvalConfig
 from cpuforge.tasks.engine.hardware import available_cores
-from cpuforge.tasks.infra import tracking
+from cpuforge.tasks.infra import live, tracking
 from cpuforge.tasks.infra.stage import StageOutput, StageRun
 from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.reports import SAMPLE_SEED
@@ -68,17 +68,25 @@ def _measure_in_fresh_process(name: str, **kwargs: Any) -> Any:
 
 
 def work(run: StageRun, eval: EvalConfig) -> StageOutput:  # noqa: A002 (the section's name)
-    return evaluate(eval, run.inputs["tokenize"], variant_paths(run.inputs), run.out_dir, run.run_id)
+    return evaluate(eval, run.inputs["tokenize"], variant_paths(run.inputs), run.out_dir, run.run_id, run.report)
 
 
-def evaluate(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Path], out_dir: Path, run_id: str) -> StageOutput:
+def evaluate(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Path], out_dir: Path, run_id: str,
+             report: live.Report = live.nothing) -> StageOutput:
+    """Every variant measured alike; ``report(fraction, headline)`` follows it variant by variant
+    (the speed rounds over all of them count as one more)."""
     started = time.perf_counter()
     variants: list[dict[str, Any]] = []
-    for name, path in paths.items():
+    steps = len(paths) + 1
+    for i, (name, path) in enumerate(paths.items()):
+        report(i / steps, {"phase": f"measuring {name}", **{f"{v['variant']} val bits per byte": v["val_bpb"]
+                                                              for v in variants}}, force=i == 0)
         result = _measure_in_fresh_process(
             name, model_path=str(path), tokenize_dir=tokenized.output_dir, max_tokens=e.max_tokens, batch_sizes=e.batch_sizes,
             prompts=e.prompts, max_new_tokens=e.max_new_tokens, threads=available_cores(), seed=SAMPLE_SEED)
         variants.append({"variant": name, **result})
+    report(len(paths) / steps, {"phase": "timing every variant in alternation",
+                                **{f"{v['variant']} val bits per byte": v["val_bpb"] for v in variants}})
     speeds = _measure_in_fresh_process(
         "speeds", speeds=True, model_paths={name: str(path) for name, path in paths.items()},
         batch_sizes=e.batch_sizes, decode_tokens=e.decode_tokens, threads=available_cores(), rounds=SPEED_ROUNDS)

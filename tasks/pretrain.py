@@ -49,7 +49,7 @@ def work(run: StageRun, model: ModelConfig, train: TrainConfig) -> StageOutput:
     _check_resumable(run.out_dir / "checkpoints", model_cfg)
     tracking.log_params(run.run_id, {"threads": spec.threads, "world_size": world, **precision_params(spec),
                                      "init": init.origin if init else "scratch"})
-    result = execute(spec)
+    result = execute(spec, run.report)
     training_reports(run.out_dir)
     baseline = unigram_bpb(shards.train, shards.val, shards.vocab_size, token_byte_lengths(shards.tokenizer_path))
     metrics = {

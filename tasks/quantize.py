@@ -54,6 +54,7 @@ from cpuforge.tasks.config import QuantizeConfig
 from cpuforge.tasks.engine.data import BatchSampler, open_shards, token_byte_lengths
 from cpuforge.tasks.engine.hardware import int8_dot_product
 from cpuforge.tasks.engine.scoring import Samples, alternating_speeds, best, score_tokens, spread
+from cpuforge.tasks.infra import live
 from cpuforge.tasks.infra.stage import StageOutput, StageRun
 from cpuforge.tasks.infra.store import StageRecord
 
@@ -173,10 +174,13 @@ def choose(quality: dict[str, float], speeds: Samples, fp32_bpb: float, max_incr
 
 
 def work(run: StageRun, quantize: QuantizeConfig) -> StageOutput:
-    return quantize_model(quantize, run.inputs["tokenize"], run.inputs["export"], run.out_dir)
+    return quantize_model(quantize, run.inputs["tokenize"], run.inputs["export"], run.out_dir, run.report)
 
 
-def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRecord, out_dir: Path) -> StageOutput:
+def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRecord, out_dir: Path,
+                   report: live.Report = live.nothing) -> StageOutput:
+    """Quantize the fp32 ONNX model each candidate way, score and time them, keep one by the rule.
+    ``report(fraction, headline)`` follows it: the candidates are the first half, the timing rounds the rest."""
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     started = time.perf_counter()
@@ -199,7 +203,9 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
     candidates = out_dir / "candidates"
     shutil.rmtree(candidates, ignore_errors=True)  # an interrupted earlier attempt's partial candidates
     candidates.mkdir()
-    for method in candidate_methods(q):
+    methods = candidate_methods(q)
+    report(0.05, {"phase": "quantizing", "fp32 val bits per byte": results["fp32"]["val_bpb"]}, force=True)
+    for i, method in enumerate(methods):
         target = candidates / f"{method}.onnx"
         t0 = time.perf_counter()
         quantize_one(method, prepared, target, lambda: _calibration_reader(shards, q, fp32.cfg))
@@ -208,6 +214,8 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
                            "val_bpb": score_tokens(lms[method], val_tokens, byte_lengths).val_bpb,
                            "quantize_seconds": round(time.perf_counter() - t0, 2)}
         log.info("%s: %.2f MB, val bpb %.4f", method, results[method]["file_bytes"] / 1e6, results[method]["val_bpb"])
+        report(0.05 + 0.45 * (i + 1) / len(methods),
+               {"phase": "quantizing", **{f"{name} val bits per byte": r["val_bpb"] for name, r in results.items()}})
     prepared.unlink()
 
     base = results["fp32"]
@@ -216,8 +224,14 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
     def decide(samples: Samples) -> Decision:
         return choose(quality, samples, base["val_bpb"], q.max_bpb_increase)
 
+    def settled(samples: Samples) -> bool:
+        done = len(samples["fp32"]["decode"])
+        report(0.5 + 0.5 * done / MAX_ROUNDS, {"phase": f"timing round {done} (at most {MAX_ROUNDS})",
+                                               **{f"{name} decode tok/s": best(s["decode"]) for name, s in samples.items()}})
+        return decide(samples).settled
+
     # Every candidate with fp32, in alternation, until the rule's margins stand out of the noise.
-    speeds = alternating_speeds(lms, [1], DECODE_TOKENS, MIN_ROUNDS, MAX_ROUNDS, settled=lambda s: decide(s).settled)
+    speeds = alternating_speeds(lms, [1], DECODE_TOKENS, MIN_ROUNDS, MAX_ROUNDS, settled=settled)
     decision = decide(speeds)
     kept, why = decision.kept, decision.why
     rounds = len(speeds["fp32"]["decode"])

@@ -42,7 +42,7 @@ def work(run: StageRun, recover: RecoverConfig, train: TrainConfig) -> StageOutp
                          teacher_dir=pretrained.path("model"))
     world = world_size(train)
     tracking.log_params(run.run_id, {"threads": spec.threads, "world_size": world, **precision_params(spec)})
-    result = execute(spec)
+    result = execute(spec, run.report)
     training_reports(run.out_dir)
     pretrain_tokens = pretrained.metrics.get("tokens", 0)
     metrics = {"tokens": result.tokens, "steps": result.steps, "val_loss": round(result.val_loss, 4),

@@ -22,6 +22,7 @@ from cpuforge.tasks.corpus import Corpus, load_corpus
 from cpuforge.tasks.encoding import encode_to_shard, shard_dtype
 from cpuforge.tasks.engine.progress import progress_bar
 from cpuforge.tasks.errors import DataError
+from cpuforge.tasks.infra import live
 from cpuforge.tasks.infra.stage import StageOutput, StageRun
 from cpuforge.tasks.parallel_encode import choose_runner, encode_split_in_parallel
 
@@ -132,11 +133,14 @@ def load_tokenizer(path: Path, eod_token: str) -> Tokenizer:
 
 
 def work(run: StageRun, data: DataConfig, tokenizer: TokenizerConfig) -> StageOutput:
-    return tokenize(data, tokenizer, run.out_dir, run.cache_dir)
+    return tokenize(data, tokenizer, run.out_dir, run.cache_dir, run.report)
 
 
-def tokenize(data: DataConfig, tok_cfg: TokenizerConfig, out_dir: Path, cache_dir: Path) -> StageOutput:
-    """Load the corpus, split it, get a tokenizer, write both shards and meta.json into out_dir."""
+def tokenize(data: DataConfig, tok_cfg: TokenizerConfig, out_dir: Path, cache_dir: Path,
+             report: live.Report = live.nothing) -> StageOutput:
+    """Load the corpus, split it, get a tokenizer, write both shards and meta.json into out_dir.
+    ``report(fraction, headline)`` follows it: loading is the first 10%, the tokenizer the next 20%,
+    encoding the rest by characters encoded."""
     for stale in out_dir.iterdir():  # leftovers of an interrupted attempt: start clean
         shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
 
@@ -146,6 +150,8 @@ def tokenize(data: DataConfig, tok_cfg: TokenizerConfig, out_dir: Path, cache_di
     train_idx, val_idx = split_documents(docs, data.val_fraction, data.split_seed)
     splits = {"train": [docs[i] for i in train_idx], "val": [docs[i] for i in val_idx]}
     load_seconds = time.perf_counter() - t0
+    report(0.1, {"phase": "training the tokenizer" if not tok_cfg.path else "loading the tokenizer",
+                 "documents": len(docs)}, force=True)
 
     t0 = time.perf_counter()
     if tok_cfg.path:
@@ -170,15 +176,31 @@ def tokenize(data: DataConfig, tok_cfg: TokenizerConfig, out_dir: Path, cache_di
     encode_seconds = 0.0
     runner, why = choose_runner(data)
     log.info("encode runner for splits over %d characters: %s (%s)", data.piece_bytes, runner, why)
+    all_chars = sum(len(d) for split_docs in splits.values() for d in split_docs)
+    encoded = 0  # characters of both splits, for the live progress
+
+    def encoding(name: str, n: int) -> None:
+        nonlocal encoded
+        encoded += n
+        seconds = encode_seconds + time.perf_counter() - t0
+        report(0.3 + 0.7 * encoded / max(1, all_chars),
+               {"phase": f"encoding the {name} split", "characters/s": encoded / seconds if seconds > 0 else 0.0,
+                "characters": f"{encoded:,} of {all_chars:,}", "vocabulary": vocab_size})
+
     for name, split_docs in splits.items():
         n_bytes = sum(len(d.encode("utf-8")) for d in split_docs)
         t0 = time.perf_counter()
         chars = sum(len(d) for d in split_docs)
         if runner != "single" and chars > data.piece_bytes:  # big enough to be worth workers
             tokens = encode_split_in_parallel(tokenizer, split_docs, eod_id, dtype, out_dir / f"{name}.bin", data)
+            encoding(name, chars)
         else:
             with progress_bar(f"tokenize {name} (chars)", chars) as advance:
-                tokens = encode_to_shard(tokenizer, split_docs, eod_id, dtype, out_dir / f"{name}.bin", advance)
+                def advance_both(n: int) -> None:
+                    advance(n)
+                    encoding(name, n)
+
+                tokens = encode_to_shard(tokenizer, split_docs, eod_id, dtype, out_dir / f"{name}.bin", advance_both)
         encode_seconds += time.perf_counter() - t0
         log.info("%s: %d docs, %d bytes -> %d tokens", name, len(split_docs), n_bytes, tokens)
         stats[name] = {"docs": len(split_docs), "bytes": n_bytes, "tokens": tokens, "file": f"{name}.bin"}

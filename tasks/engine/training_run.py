@@ -33,13 +33,15 @@ from cpuforge.tasks.config import RecoverConfig, TrainConfig
 from cpuforge.tasks.engine import sharding
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.hardware import available_cores, choose_precision, matmul_peak
-from cpuforge.tasks.engine.progress import budget_bar
+from cpuforge.tasks.engine.progress import ProgressFile, budget_bar
 from cpuforge.tasks.engine.rendezvous import torchrun_command
 from cpuforge.tasks.engine.trainer import TrainSettings, distillation_loss, lm_loss, train
-from cpuforge.tasks.infra import tracking
+from cpuforge.tasks.infra import live, tracking
 from cpuforge.tasks.infra.locks import training_slot
 
 log = logging.getLogger("cpuforge.training")
+
+PROGRESS_FILE = "progress.json"  # rank 0's latest progress, which the stage's process shows in Prefect
 
 
 class TrainingSpec(BaseModel):
@@ -145,11 +147,14 @@ def precision_metrics(spec: TrainingSpec) -> dict[str, float]:
             if spec.precision.get(f"{name}_tok_s") is not None}
 
 
-def execute(spec: TrainingSpec) -> TrainingResult:
+def execute(spec: TrainingSpec, report: live.Report = live.nothing) -> TrainingResult:
     """Train as the spec says, here or under torchrun; returns rank 0's result. Holds one of
-    this machine's training slots meanwhile, waiting for one if they are all taken."""
+    this machine's training slots meanwhile, waiting for one if they are all taken. ``report``
+    (the stage's live progress in Prefect) follows what rank 0 writes to progress.json."""
     out_dir = Path(spec.out_dir)
-    with training_slot(f"{spec.kind} {out_dir.name}"):
+    progress = out_dir / PROGRESS_FILE
+    progress.unlink(missing_ok=True)  # an interrupted attempt's: this one reports afresh
+    with training_slot(f"{spec.kind} {out_dir.name}"), live.watch_progress_file(progress, report):
         if world_size(spec.train) > 1:
             # The stage's folder (stage name and key) names the rendezvous: the same on every machine,
             # and another stage or config never joins it by mistake.
@@ -201,9 +206,21 @@ def run_training(spec: TrainingSpec | dict[str, Any]) -> TrainingResult | None:
     logger = tracking.MetricLogger(spec.tracking_uri, spec.run_id) if rank == 0 and spec.run_id else None
 
     quiet = contextlib.nullcontext(lambda fraction, status: None)  # only rank 0 draws progress
+    progress_file = ProgressFile(out_dir / PROGRESS_FILE) if rank == 0 else None
+
+    def log_metrics(metrics: dict[str, float], step: int) -> None:
+        if logger:
+            logger(metrics, step)
+        progress_file.metrics(metrics, step)
+
     with budget_bar(spec.kind) if rank == 0 else quiet as update:
+        def on_progress(fraction: float, status: str) -> None:
+            update(fraction, status)
+            progress_file.progress(fraction, status, final=fraction >= 1.0)
+
         result = train(model, shards.train, val, byte_lengths, train_settings, out_dir / "checkpoints",
-                       loss_fn=loss_fn, log_metrics=logger, on_progress=update)
+                       loss_fn=loss_fn, log_metrics=log_metrics if progress_file else None,
+                       on_progress=on_progress if progress_file else update)
     if logger:
         logger.flush()
     weights = sharding.full_weights(model)  # every rank takes part when the model is sharded

@@ -1,14 +1,15 @@
-"""Prefect-side reporting of a finished stage: its final state and a markdown artifact."""
+"""Prefect-side reporting of a finished stage: its final state and a markdown artifact (the live one,
+tasks/infra/live.py, updated in place when the stage reported while running)."""
 
 from __future__ import annotations
 
-import re
-
 from prefect.artifacts import create_markdown_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactUpdate
 from prefect.context import TaskRunContext
 from prefect.states import Completed, State
 
-from cpuforge.tasks.infra import tracking
+from cpuforge.tasks.infra import live, tracking
 from cpuforge.tasks.infra.stage import StageContext
 from cpuforge.tasks.infra.store import StageRecord
 
@@ -36,11 +37,13 @@ def finish_stage(record: StageRecord, ctx: StageContext) -> State:
     """
     if TaskRunContext.get() is not None:
         url = tracking.run_url(ctx.tracking_uri, ctx.experiment_id, record.mlflow_run_id) if record.mlflow_run_id else None
-        create_markdown_artifact(
-            key=re.sub(r"[^a-z0-9-]", "-", f"cpuforge-{record.stage}"),
-            markdown=stage_markdown(record, url),
-            description=f"cpuforge {record.stage}: headline numbers",
-        )
+        markdown, description = stage_markdown(record, url), f"cpuforge {record.stage}: headline numbers"
+        live_id = live.take_markdown_id(record.stage)
+        if live_id is not None:  # the headline shown while it ran becomes the final one, in place
+            with get_client(sync_client=True) as client:
+                client.update_artifact(live_id, ArtifactUpdate(data=markdown, description=description))
+        else:
+            create_markdown_artifact(key=live.artifact_key(record.stage), markdown=markdown, description=description)
     if record.status == "cached":
         return Completed(name="Cached", data=record, message=f"reused {record.output_dir}")
     return Completed(data=record)

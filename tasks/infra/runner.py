@@ -16,6 +16,7 @@ from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import State
 
+from cpuforge.tasks.infra import live
 from cpuforge.tasks.infra.publish import finish_stage
 from cpuforge.tasks.infra.stage import (
     SERVICE_RETRIES,
@@ -42,7 +43,8 @@ def stage_task(spec: StageSpec) -> Task:
     module = importlib.import_module(spec.module)
 
     def run(ctx: StageContext, inputs: dict[str, StageRecord], extra_key: Any = None, source: Any = None) -> State:
-        record = run_stage(spec, ctx, module.work, inputs, extra_key=extra_key, source=source)
+        with live.live_stage(spec.name) as report:  # progress in the UI while it runs (nothing if reused)
+            record = run_stage(spec, ctx, module.work, inputs, extra_key=extra_key, source=source, report=report)
         publish = getattr(module, "publish", None)
         if publish is not None:
             publish(record)

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from cpuforge.tasks.config import Config
 from cpuforge.tasks.errors import UserError
-from cpuforge.tasks.infra import tracking
+from cpuforge.tasks.infra import live, tracking
 from cpuforge.tasks.infra.codehash import code_hash, module_hashes
 from cpuforge.tasks.infra.store import StageRecord, StageStore, stage_key
 
@@ -88,6 +88,7 @@ class StageRun:
     workdir: Path
     tracking_uri: str = ""
     source: Any = None  # the pretrained weights the run starts from (tasks/lineage.py PretrainedSource), if any
+    report: live.Report = live.nothing  # report(fraction, headline): the stage's live progress in Prefect
 
     @property
     def cache_dir(self) -> Path:
@@ -161,6 +162,7 @@ def run_stage(
     inputs: dict[str, StageRecord] | None = None,
     extra_key: Any = None,
     source: Any = None,
+    report: live.Report = live.nothing,
 ) -> StageRecord:
     """Reuse the stage's output, or build it with ``work(run, **its declared config sections)``."""
     inputs = inputs or {}
@@ -186,7 +188,7 @@ def run_stage(
     with store.building(spec.name, key, spec.resumable, rebuild=rebuild) as partial:
         if partial is not None:
             with tracking.stage_run(spec.name, ctx.parent_run_id, params, key, ctx.cfg.tracking.system_metrics) as run_id:
-                run = StageRun(partial, run_id, inputs, ctx.workdir, ctx.tracking_uri, source)
+                run = StageRun(partial, run_id, inputs, ctx.workdir, ctx.tracking_uri, source, report)
                 output = work(run, **{section: getattr(ctx.cfg, section) for section in spec.sections})
                 missing = set(spec.provides) - set(output.files)
                 if missing:

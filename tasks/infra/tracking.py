@@ -252,19 +252,22 @@ def _metric_batch(metrics: dict[str, float], step: int) -> list[Any]:
 
 
 class MetricLogger:
-    """Per-step metrics for one run, sent in batches (one request per `every` steps, not per value)."""
+    """Per-step metrics for one run, sent in batches (one request per `every` steps, not per value),
+    and at least every `every_s` seconds, so the MLflow charts of a slow training still grow live."""
 
-    def __init__(self, tracking_uri: str, run_id: str, every: int = 20) -> None:
+    def __init__(self, tracking_uri: str, run_id: str, every: int = 20, every_s: float = 10.0) -> None:
         self.client = _mlflow().MlflowClient(tracking_uri=tracking_uri)
-        self.run_id, self.every = run_id, every
+        self.run_id, self.every, self.every_s = run_id, every, every_s
         self.pending: list[Any] = []
+        self.last_flush = time.monotonic()
 
     def __call__(self, metrics: dict[str, float], step: int) -> None:
         self.pending += _metric_batch(metrics, step)
-        if step % self.every == 0:
+        if step % self.every == 0 or time.monotonic() - self.last_flush >= self.every_s:
             self.flush()
 
     def flush(self) -> None:
+        self.last_flush = time.monotonic()
         for i in range(0, len(self.pending), 1000):  # MLflow's per-request limit
             self.client.log_batch(self.run_id, metrics=self.pending[i:i + 1000])
         self.pending = []
