@@ -187,17 +187,24 @@ def _parser() -> argparse.ArgumentParser:
         where.add_argument("--tracking-uri", help="an MLflow store or server, e.g. http://127.0.0.1:5000")
         p.add_argument("--json", action="store_true", help="print JSON, for scripts")
 
-    runs = sub.add_parser("runs", help="list past pipeline runs, newest first: start time, profile, data, status, "
-                                       "seconds, final bits per byte, registry decision")
+    runs = add("runs", "list past pipeline runs, newest first",
+               "One line per run: start time, profile, data source, status, seconds, final bits per byte and the "
+               "registry's decision; from the run summaries in a work folder, or from the parent runs on an MLflow "
+               "server (runs killed with kill -9 write no summary: only the server lists them).",
+               ("cpuforge runs", "cpuforge runs --workdir /data/cpuforge --limit 5",
+                "cpuforge runs --tracking-uri http://127.0.0.1:5000 --json"))
     store_args(runs, "the work folder whose run summaries to list")
     runs.add_argument("--experiment", default="cpuforge", help="with --tracking-uri: the MLflow experiment")
-    runs.add_argument("--limit", type=int, default=20, help="at most this many runs (default 20)")
+    runs.add_argument("--limit", type=int, default=20, help="at most this many runs")
     runs.set_defaults(handler=_runs)
 
-    models = sub.add_parser("models", help="list the registered versions with their aliases and key figures, "
-                                           "and the history of every alias move")
+    models = add("models", "list the registered model versions and the history of every alias move",
+                 "Each version with its aliases (champion, candidate), bits per byte, size, decode speed and the gate's "
+                 "decision; then every alias move: when, who, which version, and why.",
+                 ("cpuforge models", "cpuforge models --workdir /data/cpuforge --json",
+                  "cpuforge models --tracking-uri http://127.0.0.1:5000 --name cpuforge-lm"))
     store_args(models, "the work folder whose MLflow store to read")
-    models.add_argument("--name", default="cpuforge-lm", help="the registered model (default cpuforge-lm)")
+    models.add_argument("--name", default="cpuforge-lm", help="the registered model")
     models.set_defaults(handler=_models)
     return parser
 
