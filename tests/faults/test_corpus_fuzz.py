@@ -15,9 +15,8 @@ import pytest
 import cpuforge.tasks.corpus as corpus_module
 from cpuforge.flows.cli import main
 from cpuforge.tasks.config import load_config
-from cpuforge.tasks.corpus import load_corpus
+from cpuforge.tasks.corpus import load_corpus, stage_extra_key
 from cpuforge.tasks.errors import DataError
-from cpuforge.tasks.tokenize import stage_extra_key
 from tests.conftest import as_unprivileged, make_text
 
 
