@@ -107,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
         if summary:
             p.add_argument("--summary", help="also write the summary JSON to this file")
         p.add_argument("--rebuild", metavar="STAGE", default="",
-                       help="build this stage and every stage after it again, even where the work folder has them")
+                       help="build this stage and every stage that reads its output again, even where the work folder has them")
 
     run = add("run", "run the whole pipeline",
               "Stages whose inputs, settings and code are unchanged are reused from --workdir (shown as Cached in "
@@ -115,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
               "The final model is registered, and becomes 'champion' when it beats the current one.",
               ("cpuforge run --profile tiny --workdir /tmp/cpuforge-tiny",
                "cpuforge run --set data.source=~/code --set train.max_minutes=30",
-               "cpuforge run --config my.yaml --rebuild recover   # recover and every stage after it again"))
+               "cpuforge run --config my.yaml --rebuild recover   # recover and every stage that reads it, again"))
     run_args(run)
     run.set_defaults(handler=_run)
 

@@ -55,7 +55,7 @@ def compress(
         overrides: more `section.key=value` settings, applied last, e.g. `recover.lr=0.001`.
         workdir: folder (on the worker) for stage outputs, run summaries and, without an MLflow server, the MLflow store.
         summary_path: also write the summary JSON to this file.
-        rebuild: build this stage and every stage after it again, even where the store has them (e.g. prune).
+        rebuild: build this stage and every stage that reads its output again, even where the store has them (e.g. prune).
             Empty: reuse what is there.
     """
     cfg = flow_config(profile, config_file, overrides, data_source=data_source, keep_ratio=keep_ratio,

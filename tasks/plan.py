@@ -2,8 +2,9 @@
 
 Every stage's key is computed exactly as the run computes it (tasks/infra/stage.py key_parts/key_of)
 from the registry's declarations. A stage whose folder exists is reused; for one that would be
-built, the reason comes from comparing its key parts with those of the newest output of that stage
-in the store: which setting, input, data or code changed, or that there is none yet.
+built, the reason comes from comparing its key parts with those of the closest output of that stage
+in the store (same inputs and settings first, then the newest): which setting, input, data or code
+changed, or that there is none yet.
 """
 
 from __future__ import annotations
@@ -40,18 +41,26 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: value}
 
 
-def _newest_record(store: StageStore, stage: str) -> StageRecord | None:
-    newest = None
+def _closest_record(store: StageStore, stage: str, parts: dict[str, Any]) -> StageRecord | None:
+    """The output of this stage that differs least from what the run would build: the newest with the
+    same inputs and settings, else the same inputs, else the same settings, else the newest at all
+    (so a change is explained against the run it changes, not against another profile's)."""
+    records = []
     for path in store.root.glob(f"{stage}-*/{RECORD_FILE}"):
         if path.parent.name.endswith((".partial", ".replaced")):
             continue
         try:
-            record = StageRecord.model_validate_json(path.read_text(encoding="utf-8"))
+            records.append(StageRecord.model_validate_json(path.read_text(encoding="utf-8")))
         except (OSError, ValueError):
             continue
-        if newest is None or record.created_at > newest.created_at:
-            newest = record
-    return newest
+    if not records:
+        return None
+
+    def closeness(record: StageRecord) -> tuple[bool, bool, str]:
+        old = record.key_parts or {}
+        return old.get("inputs") == parts["inputs"], old.get("config") == parts["config"], record.created_at
+
+    return max(records, key=closeness)
 
 
 def _source_path(module: str) -> str:
@@ -60,13 +69,13 @@ def _source_path(module: str) -> str:
 
 
 def why_build(store: StageStore, spec: StageSpec, parts: dict[str, Any], changed_inputs: list[str]) -> list[str]:
-    """What differs from the newest output of this stage in the store."""
-    previous = _newest_record(store, spec.name)
+    """What differs from the closest output of this stage in the store."""
+    previous = _closest_record(store, spec.name, parts)
     if previous is None:
         return ["no output of this stage yet"]
     old = previous.key_parts
     if not old:
-        return [f"its newest output ({Path(previous.output_dir).name}) was made by an older cpuforge that did not "
+        return [f"its closest output ({Path(previous.output_dir).name}) was made by an older cpuforge that did not "
                 "record what its key was made of"]
     reasons = []
     if old.get("version") != parts["version"]:
@@ -78,7 +87,7 @@ def why_build(store: StageStore, spec: StageSpec, parts: dict[str, Any], changed
         settings = settings[:MAX_SETTINGS_SHOWN] + [f"and {len(settings) - MAX_SETTINGS_SHOWN} more settings"]
     reasons += settings
     reasons += [f"input {name} changes" for name in changed_inputs]
-    reasons += [f"input {name} differs from the newest output's" for name, key in parts["inputs"].items()
+    reasons += [f"input {name} differs from the closest output's" for name, key in parts["inputs"].items()
                 if name not in changed_inputs and old.get("inputs", {}).get(name) != key]
     if old.get("extra") != parts["extra"]:
         what = {"corpus": "the data source's files (or the given tokenizer) changed",
@@ -89,7 +98,7 @@ def why_build(store: StageStore, spec: StageSpec, parts: dict[str, Any], changed
     if edited:
         more = len(edited) - MAX_FILES_SHOWN
         reasons.append("code changed: " + ", ".join(edited[:MAX_FILES_SHOWN]) + (f" and {more} more files" if more > 0 else ""))
-    return reasons or ["its newest output was made from other inputs"]
+    return reasons or ["its closest output was made from other inputs"]
 
 
 def extra_key(spec: StageSpec, cfg: Config) -> tuple[Any, str | None]:

@@ -76,11 +76,17 @@ def names(order: tuple[StageSpec, ...] = PIPELINE) -> list[str]:
 
 
 def from_stage(name: str, order: tuple[StageSpec, ...] = PIPELINE) -> frozenset[str]:
-    """The stage and every stage after it: what `--rebuild NAME` rebuilds."""
+    """The stage and every stage whose inputs lead back to it: what `--rebuild NAME` rebuilds
+    (`--rebuild quantize` redoes evaluate, not gguf, which never reads quantize's output)."""
     order_names = names(order)
     if name not in order_names:
         raise ValueError(f"unknown stage {name!r}; the stages are {', '.join(order_names)}")
-    return frozenset(order_names[order_names.index(name):])
+    rebuilt, changed = {name}, {name, record_name(BY_NAME[name])}
+    for spec in order:
+        if changed & set(spec.needs):
+            rebuilt.add(spec.name)
+            changed |= {spec.name, record_name(spec)}
+    return frozenset(rebuilt)
 
 
 def record_name(spec: StageSpec) -> str:

@@ -131,8 +131,9 @@ def test_report_settings_do_not_retrain_a_model(tmp_path):
     assert {s for s in ORDER if before[s] != after[s]} == {"evaluate"}
 
 
-def test_rebuild_names_a_stage_and_everything_after_it():
+def test_rebuild_names_a_stage_and_everything_that_reads_it():
     assert stages.from_stage("recover") == {"recover", "export", "quantize", "evaluate", "gguf"}
+    assert stages.from_stage("quantize") == {"quantize", "evaluate"}  # gguf reads recover's model only
     assert stages.from_stage("adopt", stages.COMPRESS) == set(stages.names(stages.COMPRESS)[1:])
     with pytest.raises(ValueError, match="unknown stage 'pretrian'"):
         stages.from_stage("pretrian")
