@@ -11,7 +11,7 @@ from pathlib import Path
 from cpuforge.tasks.infra.codehash import module_closure
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("tokenize", "pretrain", "prune", "recover", "export", "quantize", "evaluate")
+STAGES = ("tokenize", "pretrain", "prune", "recover", "export", "quantize", "evaluate", "gguf")
 
 
 def stage_code_hashes(project: Path) -> dict[str, str]:
@@ -39,6 +39,15 @@ def test_editing_the_trainer_changes_the_training_stages_keys_and_not_tokenize(t
     changed = {s for s in STAGES if before[s] != after[s]}
     assert {"pretrain", "recover"} <= changed
     assert "tokenize" not in changed and "export" not in changed
+
+    # The registry and the infrastructure run, key and report stages; they compute nothing in them.
+    for name, old, new in (("stages.py", "# The final model as GGUF", "# A new stage here.\n# The final model as GGUF"),
+                           ("infra/tracking.py", "def log_run_metrics(", "def unused_helper():\n    pass\n\n\ndef log_run_metrics(")):
+        module = project / "cpuforge" / "tasks" / name
+        text = module.read_text()
+        assert old in text
+        module.write_text(text.replace(old, new, 1))
+    assert stage_code_hashes(project) == after
 
 
 def test_imports_inside_functions_count():

@@ -16,6 +16,14 @@ from pathlib import Path
 NAMESPACE = "cpuforge"
 PROJECT_PACKAGES = ("flows", "tasks", "models")  # installed as cpuforge.flows, cpuforge.tasks, cpuforge.models
 ROOT = Path(__file__).resolve().parents[2]  # the folder holding flows/, tasks/, models/
+# What runs, keys, stores and reports a stage rather than what it computes: the registry's
+# declarations (a stage's version, sections and inputs are in its key already) and the pipeline's
+# infrastructure. Editing them (adding a stage, a tracking fix) must not rebuild every stage.
+NOT_COMPUTING = ("cpuforge.tasks.stages", "cpuforge.tasks.infra")
+
+
+def _computes(module: str) -> bool:
+    return not any(module == prefix or module.startswith(prefix + ".") for prefix in NOT_COMPUTING)
 
 
 def _source_file(module: str) -> Path | None:
@@ -59,14 +67,15 @@ def _imports(module: str) -> frozenset[str]:
 
 @functools.cache
 def module_closure(module: str) -> frozenset[str]:
-    """The module and every project module it imports, transitively."""
+    """The module and every project module it imports, transitively, less the registry and the
+    infrastructure (NOT_COMPUTING)."""
     seen, todo = set(), [module]
     while todo:
         name = todo.pop()
         if name in seen:
             continue
         seen.add(name)
-        todo.extend(_imports(name) - seen)
+        todo.extend(i for i in _imports(name) - seen if _computes(i))
     return frozenset(seen)
 
 
