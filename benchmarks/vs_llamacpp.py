@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cpuforge.models.checkpoint import read_config
 from cpuforge.tasks.config import load_config
 from cpuforge.tasks.engine.data import bits_per_byte, open_shards, token_byte_lengths
 from cpuforge.tasks.engine.hardware import available_cores, cpu_model, int8_dot_product
@@ -143,7 +144,7 @@ def main() -> None:
     paths = {"onnx": Path(stages["quantize"]["output_dir"]) / "model.int8.onnx",
              "gguf": Path(stages["gguf"]["output_dir"]) / "model-q8_0.gguf"}
     shards = open_shards(Path(stages["tokenize"]["output_dir"]), 2)
-    block = json.loads((Path(stages["recover"]["output_dir"]) / "model" / "config.json").read_text())["model"]["block_size"]
+    block = read_config(Path(stages["recover"]["output_dir"]) / "model").block_size
     threads = available_cores()
 
     with tempfile.TemporaryDirectory(prefix="vs-llamacpp-") as tmp:
