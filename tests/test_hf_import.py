@@ -78,7 +78,7 @@ def test_compress_a_transformers_llama_end_to_end(tmp_path):
     summary = json.loads((workdir / "summary.json").read_text())
     stages = summary["stages"]
     assert summary["flow"] == "compress" and summary["status"] == "completed"
-    assert list(stages) == ["tokenize", "adopt", "prune", "recover", "export", "quantize", "evaluate"]
+    assert list(stages) == ["tokenize", "adopt", "prune", "recover", "export", "quantize", "evaluate", "gguf"]
     assert {s["status"] for s in stages.values()} == {"completed"}
     assert summary["registry"]["version"] == "1" and summary["registry"]["decision"] == "promoted"
     assert summary["pretrained_from"]["origin"] == f"hf:{source}"
