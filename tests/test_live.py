@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import pytest
 from prefect import flow, task
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
@@ -19,22 +17,7 @@ from cpuforge.tasks.infra import live
 from cpuforge.tasks.infra.publish import finish_stage
 from cpuforge.tasks.infra.stage import StageContext
 from cpuforge.tasks.infra.store import StageRecord
-from cpuforge.tasks.tokenize import tokenize
-from tests.conftest import make_text
-
-
-@pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("shards")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for i in range(30):
-        (corpus / f"{i}.txt").write_text(make_text(i, 80))
-    out = root / "tok"
-    out.mkdir()
-    cfg = load_config("tiny", overrides=[f"data.source={corpus}", "data.max_docs=null"])
-    tokenize(cfg.data, cfg.tokenizer, out, root / "cache")
-    return out
+from tests.test_pretrain import shards  # noqa: F401 (module fixture: the tiny token shards)
 
 
 def artifacts(key: str) -> list:
