@@ -36,12 +36,18 @@ def _holder_note(lock_file: Any, what: str) -> None:
     lock_file.flush()
 
 
-def describe_holder(path: Path) -> str:
-    try:
-        note = json.loads(path.read_text())
-        return f"{note['what']} (pid {note['pid']} on {note['host']}, for {time.time() - note['since']:.0f} s)"
-    except (OSError, ValueError, KeyError):
-        return "another process"
+def describe_holder(path: Path, patience_s: float = 1.0) -> str:
+    # A holder writes its note just after taking the lock: a waiter that looks in between finds the
+    # file empty, so it looks again for a moment before calling the holder "another process".
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            note = json.loads(path.read_text())
+            return f"{note['what']} (pid {note['pid']} on {note['host']}, for {time.time() - note['since']:.0f} s)"
+        except (OSError, ValueError, KeyError):
+            if time.monotonic() >= deadline:
+                return "another process"
+            time.sleep(0.05)
 
 
 def _try_lock(path: Path):
