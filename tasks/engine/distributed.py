@@ -22,6 +22,10 @@ def main(spec_path: str) -> None:
     try:
         with open(spec_path) as f:
             run_training(TrainingSpec.model_validate_json(f.read()))
+        # Rank 0 still writes the outputs when the others return. A rank that tears its gloo pairs
+        # down meanwhile can abort in teardown ("terminate called without an active exception"),
+        # which torchrun counts as a failure and restarts the group for: leave together.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
