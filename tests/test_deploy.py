@@ -240,7 +240,7 @@ def test_model_builder_int4_candidate_is_4_bit_and_says_so(quantized):
     assert "int4" in meta["cpuforge.quantization"] and "cpuforge.config" in meta
     ops = {n.op_type: n for n in onnx.load(str(folder / "genai-int4.onnx")).graph.node}
     bits = {a.name: a.i for a in ops["MatMulNBits"].attribute}
-    assert bits["bits"] == 4 and bits["accuracy_level"] in (1, 4)
+    assert bits["bits"] == 4 and bits["accuracy_level"] == 4
     head = [n for n in onnx.load(str(folder / "genai-int4-fp32head.onnx")).graph.node if "lm_head" in n.name]
     assert [n.op_type for n in head] == ["MatMul"]  # the LM head left in fp32
     assert {"genai-int4/token_agreement", "genai-int8/val_bpb"} <= set(metrics)
