@@ -29,7 +29,6 @@ from cpuforge.models.onnx_export import (
     META_EOD,
     META_TOKENIZER,
     decoder_feeds,
-    empty_past,
     output_names,
     past_names,
 )
@@ -76,13 +75,13 @@ class TorchDecoder:
 class OnnxDecoder:
     """The exported decoder in onnxruntime: a past of length 0 is a plain forward pass.
 
-    Generation (``prefill`` then ``step``) runs through I/O binding, so the KV cache stays in
-    onnxruntime's memory between tokens instead of being copied out to numpy and back each step.
-    Two kinds of graph: cpuforge's export concatenates past and new keys into a longer present,
-    which the next step takes as its past; the graph of ONNX Runtime GenAI's model builder
-    (models/genai_build.py, ``shared_kv``) writes into one buffer of the whole context that past
-    and present share. (onnxruntime 1.32's GroupQueryAttention on CPU computes wrong decode logits
-    when they are separate buffers, so that graph only decodes bound this way.)"""
+    Two kinds of graph. cpuforge's export concatenates past and new keys into a longer present,
+    which the next step takes as its past (plain session.run: I/O binding that fed the presents back
+    as onnxruntime values measured 0.67-0.87x its speed here, a dozen bind calls per token costing
+    more than the copies they save). The graph of ONNX Runtime GenAI's model builder
+    (models/genai_build.py, ``shared_kv``) writes into one buffer of the whole context that past and
+    present share, bound once per generation (I/O binding); onnxruntime 1.32's GroupQueryAttention
+    on CPU computes wrong decode logits from separate buffers, so that graph only decodes this way."""
 
     def __init__(self, path: Path, cfg: LlamaConfig, threads: int | None = None, shared_kv: bool = False) -> None:
         import onnxruntime as ort
@@ -104,8 +103,7 @@ class OnnxDecoder:
 
     def forward(self, ids: np.ndarray, past: list[np.ndarray] | None = None, attention_mask: np.ndarray | None = None,
                 position_ids: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Logits (B, T, vocab) and the present keys/values, without binding (each call copies the cache
-        in and out). A padded batch passes its mask (0 at padding, past + T wide) and each row's
+        """Logits (B, T, vocab) and the present keys/values, from one plain session.run. A padded batch passes its mask (0 at padding, past + T wide) and each row's
         positions; without them every slot is a real token."""
         if self.shared_kv and (past is not None or (attention_mask is not None and not np.all(attention_mask))):
             raise ValueError("this graph (ONNX Runtime GenAI's builder) keeps its KV cache in a shared buffer and "
@@ -117,40 +115,18 @@ class OnnxDecoder:
         return self.session.run(["logits"], self._feeds(ids))[0]
 
     def prefill(self, ids: np.ndarray) -> tuple[np.ndarray, Any]:
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        cache = (_SharedCache if self.shared_kv else _ChainedCache)(self, ids.shape[0])
-        return cache.run(ids, 0), cache
+        if self.shared_kv:
+            ids = np.ascontiguousarray(ids, dtype=np.int64)
+            cache = _SharedCache(self, ids.shape[0])
+            return cache.run(ids, 0), cache
+        logits, present = self.forward(ids)
+        return logits[:, -1], present
 
     def step(self, ids: np.ndarray, cache: Any, position: int) -> tuple[np.ndarray, Any]:
-        return cache.run(np.ascontiguousarray(ids, dtype=np.int64), position), cache
-
-
-class _ChainedCache:
-    """The export's cache under I/O binding: each run's presents (onnxruntime values) are bound as the
-    next run's pasts, never copied into numpy."""
-
-    def __init__(self, decoder: OnnxDecoder, batch: int) -> None:
-        cfg = decoder.cfg
-        self.decoder, self.binding = decoder, decoder.session.io_binding()
-        self.pasts = past_names(cfg.n_layer)
-        for name, empty in zip(self.pasts, empty_past(cfg, batch)):
-            self.binding.bind_cpu_input(name, empty)
-
-    def run(self, ids: np.ndarray, position: int) -> np.ndarray:
-        batch, seq = ids.shape
-        binding, decoder = self.binding, self.decoder
-        binding.bind_cpu_input("input_ids", ids)
-        binding.bind_cpu_input("attention_mask", np.ones((batch, position + seq), dtype=np.int64))
-        if "position_ids" in decoder.inputs:
-            binding.bind_cpu_input("position_ids", np.ascontiguousarray(
-                np.broadcast_to(np.arange(position, position + seq, dtype=np.int64), (batch, seq))))
-        for name in decoder.outputs:  # unbound outputs: onnxruntime allocates them at this run's shapes
-            binding.bind_output(name)
-        decoder.session.run_with_iobinding(binding)
-        logits, *present = binding.get_outputs()
-        for name, value in zip(self.pasts, present):
-            binding.bind_ortvalue_input(name, value)
-        return logits.numpy()[:, -1]
+        if self.shared_kv:
+            return cache.run(np.ascontiguousarray(ids, dtype=np.int64), position), cache
+        logits, present = self.forward(ids, cache)
+        return logits[:, -1], present
 
 
 class _SharedCache:
