@@ -58,8 +58,8 @@ def genai_config(cfg: LlamaConfig, filename: str, eod_id: int) -> dict[str, Any]
             "diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
             "max_length": cfg.block_size, "min_length": 0, "no_repeat_ngram_size": 0, "num_beams": 1,
             "num_return_sequences": 1,
-            # The graph concatenates past and new keys into a longer present: GenAI must not hand it
-            # one preallocated buffer for both.
+            # The export's graph concatenates past and new keys into a longer present: GenAI must not
+            # hand it one preallocated buffer for both (the builder's graph wants one: use_decoder_of).
             "past_present_share_buffer": False,
             "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 50, "top_p": 1.0,
         },
@@ -96,6 +96,17 @@ def copy_layout(source: Path, folder: Path, onnx_name: str) -> list[str]:
     config["model"]["decoder"]["filename"] = onnx_name
     atomic_write_json(folder / GENAI_CONFIG, config)
     return [GENAI_CONFIG, TOKENIZER, TOKENIZER_CONFIG]
+
+
+def use_decoder_of(folder: Path, built_config: Path) -> None:
+    """Point ``folder``'s genai_config at a graph of ONNX Runtime GenAI's model builder (models/genai_build.py):
+    the builder's decoder section (its inputs: no position_ids) and its KV cache shared between past and
+    present, the rest (token ids, tokenizer, search) as cpuforge wrote it."""
+    config, built = read_genai_config(folder), json.loads(Path(built_config).read_text())
+    filename = config["model"]["decoder"]["filename"]
+    config["model"]["decoder"] = {**built["model"]["decoder"], "filename": filename}
+    config["search"]["past_present_share_buffer"] = built["search"]["past_present_share_buffer"]
+    atomic_write_json(folder / GENAI_CONFIG, config)
 
 
 def read_genai_config(folder: Path) -> dict[str, Any]:

@@ -23,7 +23,15 @@ from tokenizers import Tokenizer
 from cpuforge.models.checkpoint import CONFIG, WEIGHTS, CheckpointError, load_model
 from cpuforge.models.config import LlamaConfig, ModelConfigError
 from cpuforge.models.llama import Llama, config_param_count
-from cpuforge.models.onnx_export import META_CONFIG, META_EOD, META_TOKENIZER, decoder_feeds, output_names
+from cpuforge.models.genai_build import shares_kv_buffer
+from cpuforge.models.onnx_export import (
+    META_CONFIG,
+    META_EOD,
+    META_TOKENIZER,
+    decoder_feeds,
+    output_names,
+    past_names,
+)
 from cpuforge.models.onnx_layout import GENAI_CONFIG, decoder_file
 
 TOKENIZER = "tokenizer.json"
@@ -65,12 +73,20 @@ class TorchDecoder:
 
 
 class OnnxDecoder:
-    """The exported decoder in onnxruntime: a past of length 0 is a plain forward pass."""
+    """The exported decoder in onnxruntime: a past of length 0 is a plain forward pass.
 
-    def __init__(self, path: Path, cfg: LlamaConfig, threads: int | None = None) -> None:
+    Two kinds of graph. cpuforge's export concatenates past and new keys into a longer present,
+    which the next step takes as its past (plain session.run: I/O binding that fed the presents back
+    as onnxruntime values measured 0.67-0.87x its speed here, a dozen bind calls per token costing
+    more than the copies they save). The graph of ONNX Runtime GenAI's model builder
+    (models/genai_build.py, ``shared_kv``) writes into one buffer of the whole context that past and
+    present share, bound once per generation (I/O binding); onnxruntime 1.32's GroupQueryAttention
+    on CPU computes wrong decode logits from separate buffers, so that graph only decodes this way."""
+
+    def __init__(self, path: Path, cfg: LlamaConfig, threads: int | None = None, shared_kv: bool = False) -> None:
         import onnxruntime as ort
 
-        self.cfg = cfg
+        self.cfg, self.shared_kv = cfg, shared_kv
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         if threads:
@@ -78,25 +94,79 @@ class OnnxDecoder:
         options.log_severity_level = 3  # warnings about unused initializers etc. are not the user's business
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         self.outputs = output_names(cfg.n_layer)
+        self.inputs = {i.name for i in self.session.get_inputs()}  # the builder's graph has no position_ids
+
+    def _feeds(self, ids: np.ndarray, past: list[np.ndarray] | None = None, attention_mask: np.ndarray | None = None,
+               position_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        feeds = decoder_feeds(self.cfg, ids, past, attention_mask, position_ids)
+        return {name: value for name, value in feeds.items() if name in self.inputs}
 
     def forward(self, ids: np.ndarray, past: list[np.ndarray] | None = None, attention_mask: np.ndarray | None = None,
                 position_ids: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Logits (B, T, vocab) and the present keys/values. A padded batch passes its mask (0 at
-        padding, past + T wide) and each row's positions; without them every slot is a real token."""
-        logits, *present = self.session.run(
-            self.outputs, decoder_feeds(self.cfg, ids, past, attention_mask, position_ids))
+        """Logits (B, T, vocab) and the present keys/values, from one plain session.run. A padded batch passes its mask (0 at padding, past + T wide) and each row's
+        positions; without them every slot is a real token."""
+        if self.shared_kv and (past is not None or (attention_mask is not None and not np.all(attention_mask))):
+            raise ValueError("this graph (ONNX Runtime GenAI's builder) keeps its KV cache in a shared buffer and "
+                             "reads positions from a right-padded mask: continue with prefill/step, not a past")
+        logits, *present = self.session.run(self.outputs, self._feeds(ids, past, attention_mask, position_ids))
         return logits, present
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
-        return self.session.run(["logits"], decoder_feeds(self.cfg, ids))[0]
+        return self.session.run(["logits"], self._feeds(ids))[0]
 
     def prefill(self, ids: np.ndarray) -> tuple[np.ndarray, Any]:
+        if self.shared_kv:
+            ids = np.ascontiguousarray(ids, dtype=np.int64)
+            cache = _SharedCache(self, ids.shape[0])
+            return cache.run(ids, 0), cache
         logits, present = self.forward(ids)
         return logits[:, -1], present
 
     def step(self, ids: np.ndarray, cache: Any, position: int) -> tuple[np.ndarray, Any]:
+        if self.shared_kv:
+            return cache.run(np.ascontiguousarray(ids, dtype=np.int64), position), cache
         logits, present = self.forward(ids, cache)
         return logits[:, -1], present
+
+
+class _SharedCache:
+    """The builder graph's cache: one (batch, kv heads, context, head_dim) buffer per layer's keys and
+    values, bound as both past and present; the mask's width tells the graph how much of it is filled."""
+
+    def __init__(self, decoder: OnnxDecoder, batch: int) -> None:
+        import onnxruntime as ort
+
+        cfg = decoder.cfg
+        self.decoder, self.binding = decoder, decoder.session.io_binding()
+        self.buffers = [np.zeros((batch, cfg.n_kv_head, cfg.block_size, cfg.head_dim), dtype=np.float32)
+                        for _ in range(2 * cfg.n_layer)]  # kept referenced: onnxruntime reads and writes them
+        self.mask = np.ones((batch, cfg.block_size), dtype=np.int64)
+        self.step_logits = np.zeros((batch, 1, cfg.vocab_size), dtype=np.float32)
+        self.step_value = ort.OrtValue.ortvalue_from_numpy(self.step_logits)
+        self.logits_bound = False  # whether logits go to step_logits (decode) or onnxruntime allocates them
+        self.binding.bind_output("logits")  # first, so it is get_outputs()[0]
+        for past, present, buffer in zip(past_names(cfg.n_layer), decoder.outputs[1:], self.buffers):
+            value = ort.OrtValue.ortvalue_from_numpy(buffer)
+            self.binding.bind_ortvalue_input(past, value)
+            self.binding.bind_ortvalue_output(present, value)
+
+    def run(self, ids: np.ndarray, position: int) -> np.ndarray:
+        seq = ids.shape[1]
+        if position + seq > self.decoder.cfg.block_size:
+            raise ValueError(f"position {position} + {seq} tokens is past the context ({self.decoder.cfg.block_size})")
+        binding = self.binding
+        binding.bind_cpu_input("input_ids", ids)
+        binding.bind_cpu_input("attention_mask", np.ascontiguousarray(self.mask[:, :position + seq]))
+        if seq == 1:  # a decode step writes its logits into the same small buffer every time
+            if not self.logits_bound:
+                binding.bind_ortvalue_output("logits", self.step_value)
+                self.logits_bound = True
+            self.decoder.session.run_with_iobinding(binding)
+            return self.step_logits[:, -1].copy()
+        binding.bind_output("logits")
+        self.logits_bound = False
+        self.decoder.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()[:, -1]
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -270,6 +340,7 @@ def _load_onnx(path: Path, threads: int | None) -> LanguageModel:
     except Exception as exc:  # protobuf raises its own DecodeError, among others
         raise ModelLoadError(f"{path} is not a readable ONNX model ({type(exc).__name__}: {exc})") from None
     meta = {p.key: p.value for p in proto.metadata_props}
+    shared_kv = shares_kv_buffer(proto)
     del proto
     if META_CONFIG not in meta:
         raise ModelLoadError(f"{path} was not exported by cpuforge: its metadata has no {META_CONFIG}")
@@ -285,7 +356,7 @@ def _load_onnx(path: Path, threads: int | None) -> LanguageModel:
         raise ModelLoadError(f"{path} carries no tokenizer (metadata {META_TOKENIZER}) and there is no "
                              f"{TOKENIZER} next to it: put the tokenizer the model was trained with there")
     try:
-        decoder = OnnxDecoder(path, cfg, threads)
+        decoder = OnnxDecoder(path, cfg, threads, shared_kv)
     except Exception as exc:  # onnxruntime reports a bad graph as a generic runtime error
         raise ModelLoadError(f"onnxruntime cannot load {path}: {exc}") from None
     eod = int(meta[META_EOD]) if META_EOD in meta else _eod_of(tokenizer)

@@ -226,8 +226,9 @@ class ExportConfig(Section):
 
 
 class QuantizeConfig(Section):
-    method: Literal["best", "dynamic", "static"] = Field(
-        "best", description="'best' tries dynamic and static int8 and keeps the better."
+    method: Literal["best", "dynamic", "static", "genai"] = Field(
+        "best", description="'best' tries dynamic and static int8 and ONNX Runtime GenAI's fused weight-only int8/int4 "
+        "graphs, and keeps the fastest that passes the quality gates; the others try one family."
     )
     weight_type: Literal["auto", "qint8", "quint8"] = Field(
         "auto", description="Dynamic weight type; 'auto' picks what is accurate on this CPU."
@@ -236,6 +237,9 @@ class QuantizeConfig(Section):
     max_bpb_increase: float = Field(
         0.01, ge=0, description="Only int8 variants whose bits per byte is at most this fraction above the fp32 "
         "ONNX model's compete on speed (prefill and decode, see tasks/quantize.py); if none is, keep the most accurate.")
+    min_token_agreement: float = Field(
+        0.97, ge=0, le=1, description="...and whose greedy next-token choice agrees with the fp32 ONNX model's on at "
+        "least this fraction of the scored tokens.")
     score_tokens: int = Field(16_384, gt=0, description="Val tokens each quantized candidate is scored on.")
 
 

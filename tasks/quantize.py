@@ -1,30 +1,42 @@
-"""Stage 6, quantize: the fp32 ONNX decoder -> int8 with onnxruntime, the better variant kept.
+"""Stage 6, quantize: the fp32 ONNX decoder -> int8 (or int4) with onnxruntime, the fastest good variant kept.
 
 Candidates (``quantize.method``, ``quantize.weight_type``):
 - dynamic: int8 weights, activations quantized on the fly per call. Signed (QInt8) and
   unsigned (QUInt8) weights are both tried under ``weight_type=auto``: on CPUs without VNNI
   the u8*s8 kernels can saturate, so which one stays accurate is measured, not assumed.
+- genai: the graph ONNX Runtime GenAI's model builder makes from the recovered transformers
+  folder (models/genai_build.py): fused GroupQueryAttention with rotary, skip-RMSNorm, and
+  weight-only MatMulNBits at int8 and int4 (block 32; ``accuracy_level`` 4, int8 arithmetic,
+  which onnxruntime's CPU kernels run on AVX2 too, see ACCURACY_LEVEL), each with the LM head quantized
+  and kept fp32: whether the LM head pays for quantizing is measured like the rest.
 - static: QDQ with activation ranges calibrated on train-split batches.
-Each is scored on the same validation tokens (bits per byte) and timed with the fp32 model
+Each is scored on the same validation tokens (bits per byte, and how often its greedy next-token
+choice agrees with the fp32 model's) and timed with the fp32 model
 itself, in alternation (tasks/scoring.alternating_speeds): prefill tokens/s at full context and
 decode tokens/s with the KV cache, both at batch 1, each the best of its rounds.
 
 Rule (``choose``, a pure function of those figures):
 1. Quality: only candidates whose bits per byte is at most ``quantize.max_bpb_increase`` above
-   the fp32 model's; if none is, the most accurate is kept and speed is not asked.
+   the fp32 model's and whose greedy choices agree with fp32's on at least
+   ``quantize.min_token_agreement`` of the tokens; if none is, the most accurate (bits per byte)
+   is kept and speed is not asked.
 2. Decode: a candidate that decodes slower than the fp32 ONNX model is never the winner (at
    this size per-token overhead, not arithmetic, decides decode, and static QDQ can lose 3x).
 3. Speed: of the rest, the highest geometric mean of its prefill and decode speed-ups over
    fp32. Rounds go on (MIN_ROUNDS..MAX_ROUNDS) until the winner's lead over the next candidate,
    and every candidate's decode margin over fp32, exceed the spread of the measurements; a lead
    still within the spread after the last round is a tie, and a tie goes to the simpler
-   candidate (dynamic before static, qint8 before quint8).
-4. ``model.int8.onnx`` is int8, as its name promises: if no int8 candidate decodes as fast as
-   fp32, the one that decodes closest to it is kept, and the metrics
-   (``int8_decodes_slower_than_fp32``) and the report say that the fp32 model decodes faster.
+   candidate (the order of SIMPLICITY: dynamic, then the builder's int8 and int4, then static).
+4. The kept model is quantized: if no candidate decodes as fast as fp32, the one that decodes
+   closest to it is kept, and the metrics (``int8_decodes_slower_than_fp32``) and the report say
+   that the fp32 model decodes faster.
+The file keeps its name, ``model.int8.onnx``, whatever the candidate (evaluate, the registry, the
+GenAI config and users' scripts name it): a 4-bit winner says so in the ``weight_bits`` metric,
+the ``kept`` info and the graph's ``cpuforge.quantization`` metadata.
 The kept one is ``model.int8.onnx``, with the export stage's ONNX Runtime GenAI files beside it
-(``genai_config.json`` naming it, the tokenizer files), so the output folder runs in GenAI as the
-export's does; every candidate stays in ``candidates/``.
+(``genai_config.json`` naming it, with the builder's inputs and shared KV buffer when the kept graph
+is the builder's, the tokenizer files), so the output folder runs in GenAI as the export's does;
+every candidate stays in ``candidates/``.
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ import numpy as np
 import onnx
 
 from cpuforge.models.fileio import atomic_write_json, atomic_write_text
+from cpuforge.models.genai_build import build_decoder
 from cpuforge.models.onnx_export import (
     decoder_feeds,
     read_metadata,
@@ -47,13 +60,13 @@ from cpuforge.models.onnx_export import (
     set_metadata,
     share_tied_embedding,
 )
-from cpuforge.models.onnx_layout import GENAI_CONFIG, copy_layout
+from cpuforge.models.onnx_layout import GENAI_CONFIG, copy_layout, use_decoder_of
 from cpuforge.models.runtime import load_language_model
 from cpuforge.tasks import stages
 from cpuforge.tasks.config import QuantizeConfig
 from cpuforge.tasks.engine.data import BatchSampler, open_shards, token_byte_lengths
 from cpuforge.tasks.engine.hardware import int8_dot_product
-from cpuforge.tasks.engine.scoring import Samples, alternating_speeds, best, score_tokens, spread
+from cpuforge.tasks.engine.scoring import Samples, alternating_speeds, best, score_and_greedy, spread
 from cpuforge.tasks.infra import live
 from cpuforge.tasks.infra.stage import StageOutput, StageRun
 from cpuforge.tasks.infra.store import StageRecord
@@ -62,7 +75,13 @@ log = logging.getLogger("cpuforge.quantize")
 
 SPEC = stages.QUANTIZE
 # Simplest first: the order a tie is broken in (a dynamic model needs no calibration data).
-SIMPLICITY = ("dynamic-qint8", "dynamic-quint8", "static-qdq")
+SIMPLICITY = ("dynamic-qint8", "dynamic-quint8", "genai-int8", "genai-int8-fp32head", "genai-int4",
+              "genai-int4-fp32head", "static-qdq")
+# The builder's candidates: (precision, LM head quantized). Its int8 keeps an fp32 embedding table
+# beside the int8 LM head; int4 shares one 4-bit table for both.
+GENAI = {"genai-int8": ("int8", True), "genai-int8-fp32head": ("int8", False),
+         "genai-int4": ("int4", True), "genai-int4-fp32head": ("int4", False)}
+META_QUANTIZATION = "cpuforge.quantization"
 MIN_ROUNDS, MAX_ROUNDS = 3, 12
 DECODE_TOKENS = 64
 CALIB_BATCH = 4
@@ -72,7 +91,25 @@ CALIB_SEED = 2024  # fixed: the stage's key holds only the quantize section
 def candidate_methods(q: QuantizeConfig) -> list[str]:
     dynamic = {"auto": ["dynamic-qint8", "dynamic-quint8"], "qint8": ["dynamic-qint8"],
                "quint8": ["dynamic-quint8"]}[q.weight_type]
-    return {"best": dynamic + ["static-qdq"], "dynamic": dynamic, "static": ["static-qdq"]}[q.method]
+    return {"best": dynamic + list(GENAI) + ["static-qdq"], "dynamic": dynamic, "static": ["static-qdq"],
+            "genai": list(GENAI)}[q.method]
+
+
+# MatMulNBits' arithmetic: 4 quantizes the activations to int8 for the product. onnxruntime's CPU kernels have
+# that path for AVX2 as well as VNNI/AMX: on an AVX2-only EPYC (demo model, 2 threads, alternating) level 4 decoded
+# 302 tok/s at int8 and 356 at int4 against 40 and 172 with fp32 arithmetic (level 1), prefill 0.6-0.8x of it.
+ACCURACY_LEVEL = 4
+
+
+def describe(method: str) -> str:
+    """What a candidate is, for the graph's metadata and the report."""
+    if method in GENAI:
+        precision, head = GENAI[method]
+        return (f"{method}: ONNX Runtime GenAI model builder, MatMulNBits {precision} weights (block 32, accuracy_level "
+                f"{ACCURACY_LEVEL}), LM head {'quantized' if head else 'fp32'}, fused GroupQueryAttention")
+    return {"dynamic-qint8": "dynamic-qint8: onnxruntime quantize_dynamic, int8 MatMul weights",
+            "dynamic-quint8": "dynamic-quint8: onnxruntime quantize_dynamic, uint8 MatMul weights",
+            "static-qdq": "static-qdq: onnxruntime quantize_static, QDQ int8 weights and activations"}[method]
 
 
 def _calibration_reader(shards, q: QuantizeConfig, model_cfg):
@@ -94,9 +131,19 @@ def _calibration_reader(shards, q: QuantizeConfig, model_cfg):
     return TrainBatches()
 
 
-def quantize_one(method: str, source: Path, target: Path, reader_factory) -> None:
+def quantize_one(method: str, source: Path, target: Path, reader_factory, hf_folder: Path | None = None) -> None:
+    """Write candidate ``method`` of the fp32 graph ``source`` to ``target``; the builder's candidates are
+    built from ``hf_folder`` (the transformers folder the graph was exported from) and leave their
+    genai_config beside ``target`` (``<name>.genai_config.json``)."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
+    metadata = {**read_metadata(source), META_QUANTIZATION: describe(method)}
+    if method in GENAI:
+        precision, head = GENAI[method]
+        config = build_decoder(hf_folder, target, precision, metadata, accuracy_level=ACCURACY_LEVEL,
+                               quantize_lm_head=head)
+        atomic_write_json(target.with_suffix(".genai_config.json"), config)
+        return
     if method.startswith("dynamic"):
         weight_type = QuantType.QInt8 if method == "dynamic-qint8" else QuantType.QUInt8
         quantize_dynamic(str(source), str(target), weight_type=weight_type, op_types_to_quantize=["MatMul"])
@@ -106,7 +153,7 @@ def quantize_one(method: str, source: Path, target: Path, reader_factory) -> Non
                         op_types_to_quantize=["MatMul"], extra_options={"WeightSymmetric": True})
     proto = onnx.load(str(target))
     reshare_after_quantization(proto)
-    set_metadata(proto, read_metadata(source))  # the config and tokenizer travel with every variant
+    set_metadata(proto, metadata)  # the config and tokenizer travel with every variant
     onnx.checker.check_model(proto)
     onnx.save(proto, str(target))
 
@@ -129,12 +176,18 @@ def speed_score(speeds: dict[str, list[float]], fp32: dict[str, list[float]]) ->
     return math.sqrt(best(speeds["prefill_b1"]) / best(fp32["prefill_b1"]) * best(speeds["decode"]) / best(fp32["decode"]))
 
 
-def choose(quality: dict[str, float], speeds: Samples, fp32_bpb: float, max_increase: float) -> Decision:
-    """The rule in the module docstring. quality: candidate -> val bits per byte; speeds: candidate
-    (and "fp32") -> {"prefill_b1": [tok/s per round], "decode": [...]}."""
+def choose(quality: dict[str, float], speeds: Samples, fp32_bpb: float, max_increase: float,
+           agreement: dict[str, float] | None = None, min_agreement: float = 0.0) -> Decision:
+    """The rule in the module docstring. quality: candidate -> val bits per byte; agreement: candidate ->
+    fraction of greedy next-token choices equal to fp32's; speeds: candidate (and "fp32") ->
+    {"prefill_b1": [tok/s per round], "decode": [...]}."""
     limit = fp32_bpb * (1 + max_increase)
     within = f"within {100 * max_increase:g}% of the fp32 bits per byte ({fp32_bpb:.4f} -> at most {limit:.4f})"
-    good = sorted((n for n in quality if quality[n] <= limit), key=_simplicity)
+    agreement = agreement or {}
+    if min_agreement > 0:
+        within += f" and agreeing with its greedy tokens on at least {100 * min_agreement:g}%"
+    good = sorted((n for n in quality if quality[n] <= limit and agreement.get(n, 1.0) >= min_agreement),
+                  key=_simplicity)
     if not good:
         name = min(sorted(quality, key=_simplicity), key=lambda n: quality[n])
         return Decision(name, f"no candidate stays {within}; kept the most accurate", settled=True)
@@ -174,11 +227,12 @@ def choose(quality: dict[str, float], speeds: Samples, fp32_bpb: float, max_incr
 
 
 def work(run: StageRun, quantize: QuantizeConfig) -> StageOutput:
-    return quantize_model(quantize, run.inputs["tokenize"], run.inputs["export"], run.out_dir, run.report)
+    return quantize_model(quantize, run.inputs["tokenize"], run.inputs["export"], run.out_dir, run.report,
+                          hf_folder=run.inputs["recover"].path("model"))
 
 
 def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRecord, out_dir: Path,
-                   report: live.Report = live.nothing) -> StageOutput:
+                   report: live.Report = live.nothing, hf_folder: Path | None = None) -> StageOutput:
     """Quantize the fp32 ONNX model each candidate way, score and time them, keep one by the rule.
     ``report(fraction, headline)`` follows it: the candidates are the first half, the timing rounds the rest."""
     from onnxruntime.quantization.shape_inference import quant_pre_process
@@ -198,31 +252,37 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
         onnx.save(proto, str(prepared))
 
     lms = {"fp32": fp32}
-    results: dict[str, dict] = {"fp32": {"file_bytes": fp32.file_bytes,
-                                         "val_bpb": score_tokens(fp32, val_tokens, byte_lengths).val_bpb}}
+    fp32_score, fp32_greedy = score_and_greedy(fp32, val_tokens, byte_lengths)
+    results: dict[str, dict] = {"fp32": {"file_bytes": fp32.file_bytes, "val_bpb": fp32_score.val_bpb,
+                                         "token_agreement": 1.0}}
     candidates = out_dir / "candidates"
     shutil.rmtree(candidates, ignore_errors=True)  # an interrupted earlier attempt's partial candidates
     candidates.mkdir()
     methods = candidate_methods(q)
+    if hf_folder is None:  # the builder needs the transformers folder the graph came from
+        methods = [m for m in methods if m not in GENAI]
     report(0.05, {"phase": "quantizing", "fp32 val bits per byte": results["fp32"]["val_bpb"]}, force=True)
     for i, method in enumerate(methods):
         target = candidates / f"{method}.onnx"
         t0 = time.perf_counter()
-        quantize_one(method, prepared, target, lambda: _calibration_reader(shards, q, fp32.cfg))
+        quantize_one(method, prepared, target, lambda: _calibration_reader(shards, q, fp32.cfg), hf_folder)
         lms[method] = load_language_model(target)
-        results[method] = {"file_bytes": lms[method].file_bytes,
-                           "val_bpb": score_tokens(lms[method], val_tokens, byte_lengths).val_bpb,
+        score, greedy = score_and_greedy(lms[method], val_tokens, byte_lengths)
+        results[method] = {"file_bytes": lms[method].file_bytes, "val_bpb": score.val_bpb,
+                           "token_agreement": round(float((greedy == fp32_greedy).mean()), 5),
                            "quantize_seconds": round(time.perf_counter() - t0, 2)}
-        log.info("%s: %.2f MB, val bpb %.4f", method, results[method]["file_bytes"] / 1e6, results[method]["val_bpb"])
+        log.info("%s: %.2f MB, val bpb %.4f, greedy agreement %.4f", method, results[method]["file_bytes"] / 1e6,
+                 results[method]["val_bpb"], results[method]["token_agreement"])
         report(0.05 + 0.45 * (i + 1) / len(methods),
                {"phase": "quantizing", **{f"{name} val bits per byte": r["val_bpb"] for name, r in results.items()}})
     prepared.unlink()
 
     base = results["fp32"]
     quality = {k: v["val_bpb"] for k, v in results.items() if k != "fp32"}
+    agreement = {k: v["token_agreement"] for k, v in results.items() if k != "fp32"}
 
     def decide(samples: Samples) -> Decision:
-        return choose(quality, samples, base["val_bpb"], q.max_bpb_increase)
+        return choose(quality, samples, base["val_bpb"], q.max_bpb_increase, agreement, q.min_token_agreement)
 
     def settled(samples: Samples) -> bool:
         done = len(samples["fp32"]["decode"])
@@ -240,6 +300,8 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
                  decode_tok_s=round(best(speeds[name]["decode"]), 1), samples=speeds[name])
     shutil.copyfile(candidates / f"{kept}.onnx", out_dir / "model.int8.onnx")
     layout = copy_layout(Path(exported.output_dir), out_dir, "model.int8.onnx")
+    if kept in GENAI:  # the builder's graph: its inputs and its shared KV buffer, in the folder's genai_config
+        use_decoder_of(out_dir, candidates / f"{kept}.genai_config.json")
     kept_r = results[kept]
     metrics: dict[str, float | int] = {
         "fp32_bytes": base["file_bytes"], "int8_bytes": kept_r["file_bytes"],
@@ -251,14 +313,16 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
         "fp32_decode_tok_s": base["decode_tok_s"], "decode_tok_s": kept_r["decode_tok_s"],
         "decode_speedup_vs_fp32": round(kept_r["decode_tok_s"] / base["decode_tok_s"], 3),
         "int8_decodes_slower_than_fp32": int(decision.decodes_slower_than_fp32),
+        "weight_bits": 4 if kept in GENAI and GENAI[kept][0] == "int4" else 8,
+        "token_agreement": kept_r["token_agreement"],
         "rule_rounds": rounds, "rule_settled": int(decision.settled),
         **{f"rule_{k}": v for k, v in decision.margins.items()},
         "seconds": round(time.perf_counter() - started, 2),
     }
     for name, r in results.items():
-        for key in ("val_bpb", "file_bytes", "prefill_tok_s", "decode_tok_s"):
+        for key in ("val_bpb", "token_agreement", "file_bytes", "prefill_tok_s", "decode_tok_s"):
             metrics[f"{name}/{key}"] = r[key]
-    report = {"kept": kept, "rule": why, "rounds": rounds, "settled": decision.settled,
+    report = {"kept": kept, "kept_is": describe(kept), "rule": why, "rounds": rounds, "settled": decision.settled,
               "int8_dot_product": int8_dot_product(), "results": results}
     atomic_write_json(out_dir / "candidates.json", report)
     atomic_write_text(out_dir / "quantize_report.md", _markdown(report))
@@ -269,16 +333,18 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
     return StageOutput(metrics=metrics, files={"onnx": "model.int8.onnx", "genai_config": GENAI_CONFIG,
                                                "candidates": "candidates", "report": "quantize_report.md"},
                        artifacts=["model.int8.onnx", *layout, "candidates.json", "quantize_report.md"],
-                       info={"kept": kept, "rule": why, "int8_dot_product": report["int8_dot_product"]})
+                       info={"kept": kept, "kept_is": describe(kept), "rule": why,
+                             "int8_dot_product": report["int8_dot_product"]})
 
 
 def _markdown(report: dict) -> str:
-    lines = [f"kept **{report['kept']}**: {report['rule']}", "",
+    lines = [f"kept **{report['kept']}** ({report['kept_is']}): {report['rule']}", "",
              f"CPU int8 dot-product instructions: {report['int8_dot_product']}. Speeds: best of {report['rounds']} "
              f"rounds, candidates timed in alternation{'' if report['settled'] else ' (margins still within the noise)'}.",
-             "", "| variant | file MB | val bits/byte | prefill tok/s (batch 1) | decode tok/s (batch 1, KV cache) |",
-             "|---|---|---|---|---|"]
+             "", "| variant | file MB | val bits/byte | greedy agreement with fp32 | prefill tok/s (batch 1) | "
+             "decode tok/s (batch 1, KV cache) |", "|---|---|---|---|---|---|"]
     for name, r in report["results"].items():
-        lines.append(f"| {name} | {r['file_bytes'] / 1e6:.2f} | {r['val_bpb']:.4f} | {r['prefill_tok_s']:,.0f} | "
+        lines.append(f"| {name} | {r['file_bytes'] / 1e6:.2f} | {r['val_bpb']:.4f} | {r['token_agreement']:.4f} | "
+                     f"{r['prefill_tok_s']:,.0f} | "
                      f"{r['decode_tok_s']:,.0f} |")
     return "\n".join(lines) + "\n"

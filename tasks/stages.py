@@ -44,8 +44,9 @@ EXPORT = StageSpec(
     provides=("onnx",), evaluates=("onnx-fp32", "onnx"),
 )
 QUANTIZE = StageSpec(
-    name="quantize", version="2", sections=("quantize",), module="cpuforge.tasks.quantize",  # 2: the rule weighs decode
-    needs=("tokenize", "export"), provides=("onnx",), evaluates=("onnx-int8", "onnx"),
+    # 2: the rule weighs decode; 3: the model builder's candidates, built from recover's transformers folder
+    name="quantize", version="3", sections=("quantize",), module="cpuforge.tasks.quantize",
+    needs=("tokenize", "recover", "export"), provides=("onnx",), evaluates=("onnx-int8", "onnx"),
 )
 
 _MODEL_STAGES = (PRETRAIN, PRUNE, RECOVER, EXPORT, QUANTIZE)

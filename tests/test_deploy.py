@@ -56,9 +56,9 @@ def exported(trained, tokenized, tmp_path_factory) -> tuple[StageRecord, dict]:
 
 
 @pytest.fixture(scope="module")
-def quantized(exported, tokenized, tmp_path_factory) -> tuple[StageRecord, dict]:
+def quantized(exported, tokenized, trained, tmp_path_factory) -> tuple[StageRecord, dict]:
     out = tmp_path_factory.mktemp("quantize")
-    result = build_stage("quantize", load_config("tiny"), out, tokenize=tokenized, export=exported[0])
+    result = build_stage("quantize", load_config("tiny"), out, tokenize=tokenized, recover=trained, export=exported[0])
     return StageRecord(stage="quantize", key="q", output_dir=str(out), files=result.files), result.metrics
 
 
@@ -187,6 +187,49 @@ def test_left_padded_batch_gives_each_prompt_its_own_logits(exported):
         assert np.abs(stepped[row, -1] - reference).max() < 1e-4
 
 
+def test_model_builder_graph_decodes_the_exports_greedy_tokens(trained, exported, tmp_path):
+    """ONNX Runtime GenAI's builder on the recovered transformers folder: a fused graph (GroupQueryAttention,
+    no position_ids) that cpuforge's runtime loads and decodes, its shared KV buffer under I/O binding, as the
+    export does with its plain path."""
+    from cpuforge.models.genai_build import build_decoder
+
+    export_path = exported[0].path("onnx")
+    config = build_decoder(trained.path("model"), tmp_path / "fused.onnx", "fp32", read_metadata(export_path))
+    assert config["search"]["past_present_share_buffer"] and config["model"]["decoder"]["filename"] == "fused.onnx"
+    fused, ours = load_language_model(tmp_path / "fused.onnx"), load_language_model(export_path)
+    assert fused.decoder.shared_kv and not ours.decoder.shared_kv
+    assert "position_ids" not in fused.decoder.inputs
+    assert {n.op_type for n in onnx.load(str(tmp_path / "fused.onnx")).graph.node} >= {
+        "GroupQueryAttention", "SkipSimplifiedLayerNormalization"}
+    ids = np.random.default_rng(1).integers(0, fused.cfg.vocab_size, size=(2, fused.cfg.block_size))
+    assert np.abs(fused.decoder.logits(ids) - ours.decoder.logits(ids)).max() < 1e-4
+    prompt = [5, 9, 13, 2]
+    steps = list(generate(fused.decoder, prompt, fused.cfg.block_size))  # to the end of the context
+    assert steps == list(generate(ours.decoder, prompt, fused.cfg.block_size))
+    # Each step's logits are the plain forward pass's over the whole sequence so far.
+    logits, cache = fused.decoder.prefill(np.array([prompt]))
+    for i, token in enumerate(steps[:8]):
+        logits, cache = fused.decoder.step(np.array([[token]]), cache, len(prompt) + i)
+        expected = ours.decoder.logits(np.array([prompt + steps[:i + 1]]))[0, -1]
+        assert np.abs(logits[0] - expected).max() < 1e-4
+    with pytest.raises(ValueError, match="shared buffer"):  # a past copied in and out: not this graph's way
+        fused.decoder.forward(np.array([[1]]), past=[np.zeros((1, 2, 3, 4), np.float32)])
+
+
+def test_model_builder_int4_candidate_is_4_bit_and_says_so(quantized):
+    record, metrics = quantized
+    folder = Path(record.output_dir) / "candidates"
+    meta = read_metadata(folder / "genai-int4.onnx")
+    assert "int4" in meta["cpuforge.quantization"] and "cpuforge.config" in meta
+    ops = {n.op_type: n for n in onnx.load(str(folder / "genai-int4.onnx")).graph.node}
+    bits = {a.name: a.i for a in ops["MatMulNBits"].attribute}
+    assert bits["bits"] == 4 and bits["accuracy_level"] == 4
+    head = [n for n in onnx.load(str(folder / "genai-int4-fp32head.onnx")).graph.node if "lm_head" in n.name]
+    assert [n.op_type for n in head] == ["MatMul"]  # the LM head left in fp32
+    assert {"genai-int4/token_agreement", "genai-int8/val_bpb"} <= set(metrics)
+    assert metrics["weight_bits"] in (4, 8)
+
+
 def test_tied_embedding_is_stored_once(exported, trained):
     record, _ = exported
     cfg = load_model(trained.path("model")).cfg
@@ -214,12 +257,12 @@ def test_int8_model_is_smaller_keeps_quality_and_still_generates(quantized, expo
     assert score_tokens(lm, val, lengths).val_bpb == pytest.approx(score_tokens(fp32, val, lengths).val_bpb, rel=0.02)
 
 
-def test_quantize_reruns_over_an_interrupted_attempt(exported, tokenized, tmp_path):
+def test_quantize_reruns_over_an_interrupted_attempt(exported, tokenized, trained, tmp_path):
     leftover = tmp_path / "candidates" / "static-qdq.onnx"
     leftover.parent.mkdir()
     leftover.write_bytes(b"half-written")  # what a kill during quantize_one leaves
     cfg = load_config("tiny", overrides=["quantize.method=dynamic", "quantize.weight_type=qint8"])
-    result = build_stage("quantize", cfg, tmp_path, tokenize=tokenized, export=exported[0])
+    result = build_stage("quantize", cfg, tmp_path, tokenize=tokenized, recover=trained, export=exported[0])
     assert sorted(p.name for p in (tmp_path / "candidates").iterdir()) == ["dynamic-qint8.onnx"]
     assert result.metrics["rule_rounds"] >= 3 and "dynamic-qint8/decode_tok_s" in result.metrics
 
@@ -298,6 +341,16 @@ def test_quantize_rule_keeps_quality_then_never_a_slower_decoder():
     # Nothing within the quality limit: the most accurate, whatever its speed.
     worst = choose({"dynamic-qint8": 2.5, "static-qdq": 2.3}, speeds, fp32_bpb=2.0, max_increase=0.01)
     assert worst.kept == "static-qdq" and "most accurate" in worst.why
+
+
+def test_quantize_rule_refuses_a_candidate_whose_greedy_tokens_disagree():
+    fp32 = _speeds(1000.0, 3000.0)
+    speeds = {"fp32": fp32, "dynamic-qint8": _speeds(1100.0, 3300.0), "genai-int4": _speeds(1200.0, 6000.0)}
+    quality = {"dynamic-qint8": 2.0, "genai-int4": 2.01}
+    agreeing = choose(quality, speeds, 2.0, 0.01, {"dynamic-qint8": 0.99, "genai-int4": 0.985}, 0.98)
+    assert agreeing.kept == "genai-int4"  # both pass: the faster decoder wins
+    refused = choose(quality, speeds, 2.0, 0.01, {"dynamic-qint8": 0.99, "genai-int4": 0.95}, 0.98)
+    assert refused.kept == "dynamic-qint8" and "greedy tokens" in refused.why
 
 
 def test_quantize_rule_gives_ties_to_the_simpler_candidate():

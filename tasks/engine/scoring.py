@@ -47,6 +47,13 @@ def _log_softmax_nll(logits: np.ndarray, targets: np.ndarray) -> float:
 def score_tokens(lm: LanguageModel, tokens: np.ndarray, byte_lengths: np.ndarray, batch_size: int = 8) -> Score:
     """Bits per byte and perplexity of `tokens` (1-D): every token after the first is predicted,
     in consecutive windows of the model's context (the last one may be shorter)."""
+    return score_and_greedy(lm, tokens, byte_lengths, batch_size)[0]
+
+
+def score_and_greedy(lm: LanguageModel, tokens: np.ndarray, byte_lengths: np.ndarray,
+                     batch_size: int = 8) -> tuple[Score, np.ndarray]:
+    """score_tokens, and the model's greedy (argmax) choice at every scored position, from the same
+    forward passes: two models' greedy choices on the same tokens compare as token agreement."""
     block = lm.cfg.block_size
     tokens = np.asarray(tokens, dtype=np.int64)
     if len(tokens) < 2:
@@ -57,14 +64,18 @@ def score_tokens(lm: LanguageModel, tokens: np.ndarray, byte_lengths: np.ndarray
     if tail:
         windows.append((tokens[n_full * block:-1][None], tokens[n_full * block + 1:][None]))
     nll, n_bytes, n_tokens = 0.0, 0, 0
+    greedy: list[np.ndarray] = []
     for x_all, y_all in windows:
         for i in range(0, len(x_all), batch_size):
             x, y = x_all[i:i + batch_size], y_all[i:i + batch_size]
-            nll += _log_softmax_nll(lm.decoder.logits(x), y)
+            logits = lm.decoder.logits(x)
+            nll += _log_softmax_nll(logits, y)
+            greedy.append(logits.argmax(-1).reshape(-1))
             n_bytes += int(byte_lengths[y].sum())
             n_tokens += y.size
     loss = nll / n_tokens
-    return Score(round(bits_per_byte(nll, n_bytes), 5), round(math.exp(loss), 4), round(loss, 5), n_tokens, n_bytes)
+    score = Score(round(bits_per_byte(nll, n_bytes), 5), round(math.exp(loss), 4), round(loss, 5), n_tokens, n_bytes)
+    return score, np.concatenate(greedy)
 
 
 def score_text(lm: LanguageModel, text: str, batch_size: int = 8) -> Score:
