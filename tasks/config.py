@@ -109,6 +109,13 @@ class _ModelSection(Section):
         """size=auto with a shape field still to be chosen (tasks/engine/sizing.py resolve_auto_size)."""
         return any(getattr(self, name) is None for name in AUTO_FIELDS)
 
+    def or_named(self, size: str) -> _ModelSection:
+        """This section, or while size=auto is unresolved the named size with the fields set here (for
+        benchmarks that compare setups at one fixed shape, where a measured choice would move it)."""
+        if not self.unresolved:
+            return self
+        return type(self)(**{**self.model_dump(exclude_none=True), "size": size})
+
     def shape(self, vocab_size: int) -> LlamaConfig:
         """The LlamaConfig this section describes, for a tokenizer of this many ids."""
         if self.unresolved:
