@@ -110,3 +110,14 @@ def test_plan_and_run_choose_the_same_shape_from_the_cached_measurement(tmp_path
 def test_explain_says_auto_fills_only_what_is_not_set():
     text = explain(load_config("demo"))
     assert "'auto'" in text and "auto fills only the fields left empty" in text
+
+
+def test_shapes_too_slow_to_time_are_extrapolated_from_the_largest_timed_one(tmp_path, monkeypatch):
+    shapes = sizing.candidate_shapes({"block_size": 256}, {}, 4096)
+    timed = 4
+    monkeypatch.setattr(sizing, "measure_shapes", lambda shapes, *a, **k: [
+        (1e9 if i < timed - 1 else 3e9) / flops_per_token(s) if i < timed else None for i, s in enumerate(shapes)])
+    rates = sizing.throughput(shapes, 8, 2, None, tmp_path)
+    for shape, rate in zip(shapes[timed:], rates[timed:]):
+        assert rate == pytest.approx(3e9 / flops_per_token(shape))
+    assert rates[0] == pytest.approx(1e9 / flops_per_token(shapes[0]))

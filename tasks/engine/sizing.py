@@ -36,9 +36,11 @@ log = logging.getLogger("cpuforge.sizing")
 # (benchmarks/size_sweep.py on the stdlib demo corpus, 2 cores, AVX2; see docs/architecture.md).
 TOKENS_PER_PARAM = 20.0
 MEASURE_ROUNDS = 3  # timed steps per shape, round-robin, after one warm-up step of each
-# Shapes whose measured step would take longer than this are not timed: their speed is extrapolated
-# from the measured ones at their FLOPs per token (the slowest measured MFU, so it errs on the small side).
+# Shapes whose warm-up step takes longer than this are not timed (after the first MIN_MEASURED, so that a
+# busy machine still measures a few): their speed is extrapolated from the largest measured shape's FLOP
+# rate at their FLOPs per token (bigger shapes usually reach a higher one, so it errs on the small side).
 MAX_MEASURED_STEP_S = 6.0
+MIN_MEASURED = 4
 CACHE_FILE = "size_throughput.json"
 
 
@@ -85,7 +87,7 @@ def measure_shapes(shapes: list[LlamaConfig], batch: int, threads: int, dtype: t
                    rounds: int = MEASURE_ROUNDS, max_step_s: float | None = None) -> list[float | None]:
     """Training tokens/s (forward, backward, AdamW step) of each shape, best of `rounds` steps taken
     round-robin across the shapes. With max_step_s, a shape whose warm-up step took longer (and every
-    larger one after it) is not timed: None."""
+    larger one after it) is not timed, once MIN_MEASURED are: None."""
     import torch.nn.functional as F
 
     from cpuforge.models.llama import Llama
@@ -114,7 +116,7 @@ def measure_shapes(shapes: list[LlamaConfig], batch: int, threads: int, dtype: t
         timed = []
         for cfg in shapes:  # warm-up: first-call allocations and kernel selection; built one by one, so a
             run = build(cfg)  # shape too slow to time stops the ladder before its bigger rungs take memory
-            if max_step_s is not None and step(run) > max_step_s:
+            if step(run) > (max_step_s or math.inf) and len(timed) >= MIN_MEASURED:
                 break
             timed.append(run)
         best = [math.inf] * len(timed)
@@ -130,8 +132,8 @@ def measure_shapes(shapes: list[LlamaConfig], batch: int, threads: int, dtype: t
 def throughput(shapes: list[LlamaConfig], batch: int, threads: int, dtype: torch.dtype,
                cache_dir: Path | None) -> list[float]:
     """Tokens/s of each shape on this machine: measured (cached) where a step is cheap, else extrapolated
-    from the measured shapes at the lowest FLOP rate they reached (bigger shapes usually run at a higher
-    one, so this errs towards a smaller model)."""
+    at the FLOP rate of the largest measured shape (bigger shapes usually run at a higher one, so this
+    errs towards a smaller model)."""
     from cpuforge.tasks.engine.hardware import cpu_model
 
     cache = cache_dir / CACHE_FILE if cache_dir is not None else None
@@ -152,7 +154,8 @@ def throughput(shapes: list[LlamaConfig], batch: int, threads: int, dtype: torch
     measured = [(flops_per_token(s), known[k]) for s, k in zip(shapes, keys) if known[k]]
     if not measured:
         raise RuntimeError("model.size=auto: no candidate shape could be timed on this machine")
-    flop_rate = min(f * r for f, r in measured)
+    flops, rate = max(measured)
+    flop_rate = flops * rate
     return [known[k] or flop_rate / flops_per_token(s) for s, k in zip(shapes, keys)]
 
 
