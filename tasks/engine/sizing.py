@@ -32,9 +32,12 @@ from cpuforge.tasks.errors import ConfigError
 
 log = logging.getLogger("cpuforge.sizing")
 
-# Tokens per parameter at which the size sweep's validation bits per byte was lowest at equal wall-clock
-# (benchmarks/size_sweep.py on the stdlib demo corpus, 2 cores, AVX2; see docs/architecture.md).
-TOKENS_PER_PARAM = 20.0
+# Tokens per parameter at which validation bits per byte was lowest at equal wall-clock in
+# benchmarks/size_sweep.py (stdlib demo corpus, vocab 4096, context 256, 2 AVX2 cores, 1-minute-equivalent
+# budget): 0.89M params on 0.52 tokens/param, val bpb 2.281, against 1.26M on 0.20 (2.459) and the 4.0M demo
+# shape on 0.03 (2.556). Far below Chinchilla's ~20: at this scale the tied 4096-token embedding is most of
+# the parameters. The sweep's 0.37M shape (2 tokens/param) did not finish, so this is a lower bound.
+TOKENS_PER_PARAM = 0.5
 MEASURE_ROUNDS = 3  # timed steps per shape, round-robin, after one warm-up step of each
 # Shapes whose warm-up step takes longer than this are not timed (after the first MIN_MEASURED, so that a
 # busy machine still measures a few): their speed is extrapolated from the largest measured shape's FLOP
