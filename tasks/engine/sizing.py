@@ -34,8 +34,8 @@ log = logging.getLogger("cpuforge.sizing")
 
 # Tokens per parameter at which validation bits per byte was lowest at equal wall-clock in
 # benchmarks/size_sweep.py (stdlib demo corpus, vocab 4096, context 256, 2 AVX2 cores, 1-minute-equivalent
-# budget): 0.89M params on 0.52 tokens/param, val bpb 2.281, against 1.26M on 0.20 (2.459) and the 4.0M demo
-# shape on 0.03 (2.556). Far below Chinchilla's ~20: at this scale the tied 4096-token embedding is most of
+# budget): 0.89M params on 0.52 tokens/param, val bpb 2.281, against 1.26M on 0.20 (2.459), 2.63M on 0.07
+# (2.475) and the 4.0M demo shape on 0.03 (2.556). Far below Chinchilla's ~20: at this scale the tied 4096-token embedding is most of
 # the parameters. The sweep's 0.37M shape (2 tokens/param) did not finish, so this is a lower bound.
 TOKENS_PER_PARAM = 0.5
 MEASURE_ROUNDS = 3  # timed steps per shape, round-robin, after one warm-up step of each
