@@ -14,6 +14,7 @@ from cpuforge.tasks.engine.training_run import TrainingSpec, launch_torchrun, th
 def train_standalone(cfg: Config, tokenize_dir: Path, out: Path, world: int) -> Path:
     """Pretrain as the pipeline would (no MLflow), under torchrun when world > 1; returns out."""
     out.mkdir()
+    cfg = cfg.model_copy(update={"model": cfg.model.or_named("demo")})  # model.size=auto: the demo's shape
     vocab = open_shards(tokenize_dir, cfg.model.block_size).vocab_size
     spec = TrainingSpec(kind="pretrain", train=cfg.train, model=cfg.model.shape(vocab), tokenize_dir=str(tokenize_dir),
                         out_dir=str(out), threads=threads_per_process(cfg.train))

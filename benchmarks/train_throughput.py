@@ -55,7 +55,7 @@ def main() -> None:
     args = parser.parse_args()
 
     run_cfg = load_config(args.profile, overrides=args.overrides)
-    cfg = run_cfg.model.shape(args.vocab_size)
+    cfg = run_cfg.model.or_named("demo").shape(args.vocab_size)  # model.size=auto: demo dims
     B, T = run_cfg.train.batch_size, cfg.block_size
     torch.set_num_threads(args.threads)
     precision = choose_precision(args.precision, cfg, B, args.threads)  # no cache: a benchmark measures afresh

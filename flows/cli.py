@@ -512,6 +512,8 @@ def _check_prune_target(cfg) -> None:
     """Reject an impossible pruning target now, estimating the vocabulary by tokenizer.vocab_size."""
     from cpuforge.tasks.prune import target_config
 
+    if cfg.model.unresolved:  # model.size=auto: the shape is chosen when the run starts; prune checks it then
+        return
     target_config(cfg.model.shape(cfg.tokenizer.vocab_size), cfg.prune)
 
 

@@ -15,6 +15,7 @@ from prefect.runtime import flow_run
 
 from cpuforge.tasks import stages
 from cpuforge.tasks.config import Config, load_config
+from cpuforge.tasks.engine.sizing import resolve_auto_size
 from cpuforge.tasks.errors import ConfigError
 from cpuforge.tasks.infra import confinement, tracking
 from cpuforge.tasks.infra.runner import stage_task
@@ -93,6 +94,8 @@ def flow_session(
         source = find_pretrained(cfg, root) if find_pretrained else None
         if source is not None:
             cfg = with_source(cfg, source, adopt_shape)
+        else:  # a new model: model.size=auto chooses its shape now, before any stage key is computed
+            cfg, _ = resolve_auto_size(cfg, root)
         summary.pretrained_from = source.as_dict() if source else None
         with tracking.pipeline_run(cfg, root, run_name=flow_run.get_name() or run_id[:8],
                                    tags={"cpuforge.run_id": run_id, "cpuforge.flow": flow_name}) as parent_run_id:

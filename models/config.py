@@ -92,3 +92,21 @@ SIZES: dict[str, dict[str, Any]] = {
     "medium-320m": dict(n_layer=26, n_head=16, n_kv_head=4, d_model=1024, d_mlp=3072, block_size=512),  # ~318M
     "large-1b": dict(n_layer=22, n_head=32, n_kv_head=4, d_model=2048, d_mlp=5632, block_size=512),  # ~1B
 }
+
+
+# The shapes `model.size: auto` chooses from, smallest first, as (d_model, n_layer): heads of 64 (the demo's),
+# half as many KV heads where the head count is even, a SwiGLU width of ~2.75 d_model (the demo's ratio).
+# Every width is a multiple of 32, which GGUF q8_0 blocks and the int8 kernels want. The first six span the
+# size sweep of benchmarks/size_sweep.py (~0.4M to ~8M parameters at a 4096-token vocabulary).
+AUTO_LADDER: tuple[tuple[int, int], ...] = (
+    (64, 2), (128, 2), (128, 4), (192, 4), (256, 4), (320, 6),
+    (384, 6), (512, 8), (640, 10), (768, 12), (1024, 16), (1024, 24), (1536, 24), (2048, 22),
+)
+AUTO_HEAD_DIM = 64
+
+
+def ladder_shape(d_model: int, n_layer: int) -> dict[str, int]:
+    """The shape fields of one rung of AUTO_LADDER."""
+    n_head = max(1, d_model // AUTO_HEAD_DIM)
+    return dict(n_layer=n_layer, d_model=d_model, n_head=n_head, n_kv_head=n_head // 2 if n_head % 2 == 0 else n_head,
+                d_mlp=-(-int(2.75 * d_model) // 32) * 32)

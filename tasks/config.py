@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -97,26 +98,57 @@ class TokenizerConfig(Section):
         return self
 
 
+# The fields `model.size: auto` chooses (tasks/engine/sizing.py); the others take LlamaConfig's defaults.
+AUTO_FIELDS = ("n_layer", "n_head", "n_kv_head", "d_model", "d_mlp")
+AUTO = "auto"
+
+
 class _ModelSection(Section):
+    @property
+    def unresolved(self) -> bool:
+        """size=auto with a shape field still to be chosen (tasks/engine/sizing.py resolve_auto_size)."""
+        return any(getattr(self, name) is None for name in AUTO_FIELDS)
+
+    def or_named(self, size: str) -> _ModelSection:
+        """This section, or while size=auto is unresolved the named size with the fields set here (for
+        benchmarks that compare setups at one fixed shape, where a measured choice would move it)."""
+        if not self.unresolved:
+            return self
+        return type(self)(**{**self.model_dump(exclude_none=True), "size": size})
+
     def shape(self, vocab_size: int) -> LlamaConfig:
         """The LlamaConfig this section describes, for a tokenizer of this many ids."""
+        if self.unresolved:
+            raise ConfigError("model.size=auto: the shape is chosen when a run starts (resolve_auto_size), not yet here")
         return LlamaConfig(vocab_size=vocab_size, **self.model_dump(exclude={"size"}))
 
 
 def _model_section() -> type[_ModelSection]:
     """The `model` section, made from LlamaConfig (the one description of a shape): a named size, and
     any of LlamaConfig's fields set otherwise. Empty fields take the size's values once validated, so
-    `cfg.model.block_size` is always the resolved shape; LlamaConfig's own checks validate it."""
+    `cfg.model.block_size` is always the resolved shape; LlamaConfig's own checks validate it. With
+    size=auto the AUTO_FIELDS left empty stay empty until the run chooses them for its budget."""
+    chosen = " With model.size=auto: chosen for the training budget when the run starts, unless set here " \
+             "(a value set here is kept; auto fills only the fields left empty)."
     overridable = {
-        f.name: (f.type_hint | None, Field(None, description=f.metadata["doc"]))
+        f.name: (f.type_hint | None, Field(None, description=f.metadata["doc"] + (chosen if f.name in AUTO_FIELDS else "")))
         for f in llama_fields() if f.name != "vocab_size"
     }
-    size_names = tuple(SIZES)
+    size_names = (AUTO, *SIZES)
+    defaults = {f.name: f.default for f in dataclass_fields(LlamaConfig)}
 
     def resolve(self: Section) -> Section:
         set_fields = {name: getattr(self, name) for name in overridable if getattr(self, name) is not None}
         try:
-            shape = LlamaConfig.named(self.size, vocab_size=BYTE_ALPHABET, **set_fields)
+            if self.size != AUTO:
+                shape = LlamaConfig.named(self.size, vocab_size=BYTE_ALPHABET, **set_fields)
+            elif all(name in set_fields for name in AUTO_FIELDS):  # fixed by hand, or already chosen
+                shape = LlamaConfig(vocab_size=BYTE_ALPHABET, **set_fields)
+            else:  # the rest of the shape is known now; AUTO_FIELDS stay empty until the run chooses them
+                for name in overridable:
+                    if name not in AUTO_FIELDS and name not in set_fields:
+                        self.__dict__[name] = defaults[name]
+                return self
         except ModelConfigError as exc:  # name the settings as they are written: model.n_head
             raise ValueError(re.sub(rf"\b({'|'.join(overridable)})=", r"model.\1=", str(exc))) from None
         for name in overridable:  # validate_assignment would re-run this validator: set the values directly
@@ -126,7 +158,10 @@ def _model_section() -> type[_ModelSection]:
     return create_model(
         "ModelConfig", __base__=_ModelSection, __doc__="The model's shape: a named size, with any field set otherwise.",
         __validators__={"_resolve": model_validator(mode="after")(resolve)},
-        size=(Literal[size_names], Field("demo", description=f"Named size: {', '.join(size_names)} (models/config.py)")),
+        size=(Literal[size_names], Field("demo", description=f"Named size: {', '.join(SIZES)} (models/config.py), "
+              "or 'auto': the shape that trains near compute-optimal in train's budget on this machine, chosen from "
+              "measured training speed when the run starts (tasks/engine/sizing.py; the choice and why are logged). "
+              "Any model field set as well stays as set.")),
         **overridable,
     )
 

@@ -231,14 +231,17 @@ def model_section(source: PretrainedSource, size: str) -> ModelConfig:
 def with_source(cfg: Config, source: PretrainedSource, adopt_shape: bool) -> Config:
     """The config a run from ``source`` uses: its tokenizer; its shape (adopted, or checked against model.*)."""
     shape = model_section(source, cfg.model.size)
-    if not adopt_shape and shape != cfg.model:
-        diff = ", ".join(f"{k}: config {getattr(cfg.model, k)} vs weights {getattr(shape, k)}"
-                         for k in type(shape).model_fields if getattr(cfg.model, k) != getattr(shape, k))
+    # model.size=auto has nothing to choose when weights exist: they fix the shape (fields set by hand must match).
+    auto = cfg.model.unresolved
+    differs = [k for k in type(shape).model_fields
+               if getattr(cfg.model, k) != getattr(shape, k) and not (auto and getattr(cfg.model, k) is None)]
+    if not adopt_shape and differs:
+        diff = ", ".join(f"{k}: config {getattr(cfg.model, k)} vs weights {getattr(shape, k)}" for k in differs)
         raise ConfigError(f"train.init_from={cfg.train.init_from}: the weights ({source.origin}) have another shape "
                           f"({diff}); set model.* to match, or clear train.init_from to start from scratch")
     tokenizer = {"path": source.tokenizer_path, **({"eod_token": source.eod_token} if source.eod_token else {})}
     update: dict[str, Any] = {"tokenizer": cfg.tokenizer.model_copy(update=tokenizer)}
-    if adopt_shape:
+    if adopt_shape or auto:
         if source.origin.startswith(HF_PREFIX):  # contexts of thousands of tokens: train and score at the profile's
             shape = shape.model_copy(update={"block_size": min(shape.block_size, cfg.model.block_size)})
         update["model"] = shape

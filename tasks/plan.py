@@ -16,6 +16,7 @@ from typing import Any
 
 from cpuforge.tasks import stages
 from cpuforge.tasks.config import Config
+from cpuforge.tasks.engine.sizing import resolve_auto_size
 from cpuforge.tasks.infra.stage import StageSpec, key_of, key_parts
 from cpuforge.tasks.infra.store import RECORD_FILE, StageRecord, StageStore
 
@@ -115,6 +116,8 @@ def extra_key(spec: StageSpec, cfg: Config) -> tuple[Any, str | None]:
 
 def plan(cfg: Config, workdir: Path, rebuild: frozenset[str] = frozenset(),
          order: tuple[StageSpec, ...] = stages.PIPELINE) -> list[PlanRow]:
+    if stages.PRETRAIN in order and not cfg.train.init_from:  # as the run does for a new model (flows/session.py)
+        cfg, _ = resolve_auto_size(cfg, workdir)
     store = StageStore(workdir)
     keys: dict[str, str] = {}
     building: set[str] = set()

@@ -17,8 +17,9 @@ from cpuforge.models.checkpoint import CheckpointError, latest_valid_checkpoint,
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import config_param_count
 from cpuforge.tasks import stages
-from cpuforge.tasks.config import ModelConfig, TrainConfig
+from cpuforge.tasks.config import AUTO, ModelConfig, TrainConfig
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, unigram_bpb
+from cpuforge.tasks.engine.sizing import explain_shape
 from cpuforge.tasks.engine.training_run import (
     execute,
     precision_metrics,
@@ -47,8 +48,11 @@ def work(run: StageRun, model: ModelConfig, train: TrainConfig) -> StageOutput:
     spec = training_spec("pretrain", train, tok_dir, run.out_dir, run.run_id, run.cache_dir, run.tracking_uri,
                          model=model_cfg, **({"init_dir": Path(init.folder)} if init else {}))
     _check_resumable(run.out_dir / "checkpoints", model_cfg)
+    sized = explain_shape(model_cfg, train, run.cache_dir) if model.size == AUTO and not init else None
+    if sized is not None:
+        log.info("model.size=auto: %s", sized.reason)
     tracking.log_params(run.run_id, {"threads": spec.threads, "world_size": world, **precision_params(spec),
-                                     "init": init.origin if init else "scratch"})
+                                     "init": init.origin if init else "scratch", **(sized.as_params() if sized else {})})
     result = execute(spec, run.report)
     training_reports(run.out_dir)
     baseline = unigram_bpb(shards.train, shards.val, shards.vocab_size, token_byte_lengths(shards.tokenizer_path))
@@ -59,7 +63,7 @@ def work(run: StageRun, model: ModelConfig, train: TrainConfig) -> StageOutput:
         "unigram_bpb": round(baseline, 4), "peak_rss_mb": round(result.peak_rss_mb, 1),
         "seconds": round(time.perf_counter() - started, 2), "train_seconds": round(result.seconds, 2),
         "matmul_peak_gflops": round(spec.peak_flops / 1e9, 1), "world_size": world, "threads": spec.threads,
-        "flops_per_token": spec.flops_per_token, **precision_metrics(spec),
+        "flops_per_token": spec.flops_per_token, **precision_metrics(spec), **(sized.as_metrics() if sized else {}),
     }
     write_model_card(run.out_dir / "model",
                      [*made_by(tokenized), (SPEC.name, {"model": key_config("model", model), "train": key_config("train", train)})],

@@ -298,3 +298,33 @@ def test_the_cli_sets_prefect_start_up_defaults_before_prefect_reads_them():
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_SERVER")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.strip().splitlines()[-1] == "180", out.stderr[-2000:]
+
+
+def test_auto_size_is_chosen_before_the_keys_and_logged(tmp_path, text_corpus, prefect_server, capsys, monkeypatch):
+    """model.size=auto: `cpuforge plan` and the run key the same chosen shape (the measurement is cached in
+    the workdir), and the choice and why reach the summary and MLflow. The speed is injected."""
+    from cpuforge.models.llama import flops_per_token
+    from cpuforge.tasks.engine import sizing
+
+    measured = []
+    monkeypatch.setattr(sizing, "measure_shapes", lambda shapes, *a, **k: measured.append(len(shapes)) or [
+        1e9 / flops_per_token(s) for s in shapes])
+    workdir = tmp_path / "work"
+    args = ("--set", f"data.source={text_corpus}", "--set", "model.size=auto", "--set", "model.block_size=64",
+            "--set", "model.n_layer=1")
+    capsys.readouterr()
+    assert main(["plan", "--profile", "tiny", "--workdir", str(workdir), "--json", *args]) == 0
+    planned = {row["stage"]: row for row in json.loads(capsys.readouterr().out)}
+    code, summary = run_cli(tmp_path, workdir, *args)
+    assert code == 0 and summary["status"] == "completed"
+    pre = summary["stages"]["pretrain"]
+    assert pre["output_dir"] == planned["pretrain"]["folder"]  # the same key: the same shape
+    assert len(measured) >= 1 and measured[0] > 1  # the candidates were timed once, at plan time
+    metrics = pre["metrics"]
+    assert metrics["size_auto_params"] == metrics["params"]
+    assert metrics["size_auto_tokens_per_s"] > 0 and metrics["size_auto_expected_tokens"] > 0
+    assert metrics["size_auto_tokens_per_param"] == pytest.approx(
+        metrics["size_auto_expected_tokens"] / metrics["params"], rel=1e-2)
+    params = mlflow_client(workdir).get_run(pre["mlflow_run_id"]).data.params
+    assert params["size_auto"] == "True" and "tokens/param" in params["size_auto_reason"]
+    assert json.loads(params["size_auto_shape"])["n_layer"] == 1  # the field set by hand is kept
