@@ -45,6 +45,8 @@ def test_config_file_applies_over_profile_and_set_over_file(tmp_path: Path):
         (["data.val_fraction=0"], "data.val_fraction: Input should be greater than 0"),
         (["train.max_steps=null", "train.max_minutes=null"], "train needs a budget"),
         (["novalue"], "expected section.key=value"),
+        (["train.optimizer=muon", "train.strategy=fsdp", "train.nproc_per_node=2"],
+         "train.optimizer=muon cannot run with train.strategy=fsdp"),
     ],
 )
 def test_bad_settings_are_rejected_with_a_message_naming_them(overrides, expected):
