@@ -81,7 +81,7 @@ def build(cfg, vocab: int) -> tuple[Llama, torch.optim.Optimizer]:
 def step_class(extra: list[str]) -> str:
     """Arms whose steps do the same work share one timing: lr, schedule and init change numbers, not work;
     the optimizer changes the work (Muon's Newton-Schulz)."""
-    return arm_config("", extra).train.optimizer
+    return arm_config("", extra).train.optimizer_in_use()
 
 
 def time_steps(arms: dict[str, list[str]], tok: Path, rounds: int, steps: int) -> dict[str, float]:

@@ -142,20 +142,21 @@ class TrainConfig(Section):
     min_lr: float = Field(2e-4, ge=0, description="Learning rate at the end of the decay (muon_lr's end is "
                           "scaled alike).")
     warmup_steps: int = Field(30, ge=0, description="Linear warm-up steps.")
-    optimizer: Literal["adamw", "muon"] = Field(
-        "adamw", description="'adamw' for every parameter, or 'muon': Muon (orthogonalised momentum, "
-        "tasks/engine/muon.py) for the 2-D matrices inside the blocks and AdamW for the embedding/LM head and "
-        "norms. Pretraining only: recover fine-tunes with AdamW.")
+    optimizer: Literal["auto", "adamw", "muon"] = Field(
+        "auto", description="'muon': Muon (orthogonalised momentum, tasks/engine/muon.py) for the 2-D matrices "
+        "inside the blocks and AdamW for the embedding/LM head and norms; 'adamw' for every parameter; 'auto' "
+        "(default): muon, except adamw with strategy=fsdp (Muon needs whole matrices, FSDP shards them; a run "
+        "resumes only under the optimizer that wrote its checkpoint). Pretraining only: recover uses AdamW.")
     muon_lr: float = Field(2e-3, gt=0, description="Muon's peak learning rate. Its updates are scaled to AdamW's "
                            "RMS (torch's 'match_rms_adamw'), so it is on the same scale as train.lr.")
     lr_schedule: Literal["cosine", "wsd"] = Field(
-        "cosine", description="After warm-up: 'cosine' decays to min_lr over the whole run; 'wsd' "
+        "wsd", description="After warm-up: 'cosine' decays to min_lr over the whole run; 'wsd' "
         "(warmup-stable-decay, trapezoid) holds the peak, then decays linearly to min_lr over the last "
         "cooldown_fraction of the run.")
     cooldown_fraction: float = Field(0.4, gt=0.0, le=1.0, description="lr_schedule=wsd: share of the steps spent "
                                      "in the final linear decay.")
     zero_init_residual: bool = Field(
-        False, description="Start each block's output projections (attention wo, MLP down) at zero, so every "
+        True, description="Start each block's output projections (attention wo, MLP down) at zero, so every "
         "block begins as the identity (nanoGPT speedrun). Init only: the architecture stays Llama's.")
     weight_decay: float = Field(0.1, ge=0, description="Weight decay on matrices (AdamW's and Muon's).")
     betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
@@ -190,6 +191,11 @@ class TrainConfig(Section):
         "weights behind the registered champion; from scratch while there is none), a model folder, or "
         "runs:/RUN_ID/model. Their tokenizer is used, and model.* must match their shape.",
     )
+
+    def optimizer_in_use(self) -> Literal["adamw", "muon"]:
+        if self.optimizer == "auto":
+            return "adamw" if self.strategy == "fsdp" else "muon"
+        return self.optimizer
 
     @model_validator(mode="after")
     def _has_a_budget(self) -> TrainConfig:

@@ -90,7 +90,7 @@ def settings(t: TrainConfig, dtype: torch.dtype, peak_flops: float) -> TrainSett
         weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip, max_tokens=t.max_tokens,
         max_steps=t.max_steps, max_minutes=t.max_minutes, eval_interval=t.eval_interval,
         checkpoint_every_steps=t.checkpoint_every_steps, checkpoint_every_minutes=t.checkpoint_every_minutes,
-        seed=t.seed, dtype=dtype, peak_flops=peak_flops, strategy=t.strategy, optimizer=t.optimizer,
+        seed=t.seed, dtype=dtype, peak_flops=peak_flops, strategy=t.strategy, optimizer=t.optimizer_in_use(),
         muon_lr=t.muon_lr, lr_schedule=t.lr_schedule, cooldown_fraction=t.cooldown_fraction,
     )
 
