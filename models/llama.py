@@ -147,6 +147,16 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
 
 
+@torch.no_grad()
+def zero_residual_projections(model: Llama) -> None:
+    """Zero each block's output projections (attention wo, MLP down): every block starts as the identity
+    and the residual stream as the embedding (nanoGPT speedrun's init). Gradients still reach them (their
+    inputs are not zero), and the rest of the block learns once they move."""
+    for block in model.blocks:
+        block.attn.wo.weight.zero_()
+        block.mlp.down.weight.zero_()
+
+
 def param_count(model: nn.Module) -> int:
     """Distinct parameters (a tied embedding counts once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

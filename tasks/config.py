@@ -172,10 +172,28 @@ ModelConfig = _model_section()
 class TrainConfig(Section):
     batch_size: int = Field(8, gt=0, description="Sequences per micro-batch.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches per optimizer step.")
-    lr: float = Field(2e-3, gt=0, description="Peak learning rate.")
-    min_lr: float = Field(2e-4, ge=0, description="Learning rate at the end of cosine decay.")
+    lr: float = Field(2e-3, gt=0, description="Peak learning rate (AdamW's: all parameters, or with "
+                      "optimizer=muon the embedding/LM head and norms).")
+    min_lr: float = Field(2e-4, ge=0, description="Learning rate at the end of the decay (muon_lr's end is "
+                          "scaled alike).")
     warmup_steps: int = Field(30, ge=0, description="Linear warm-up steps.")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay on matrices.")
+    optimizer: Literal["auto", "adamw", "muon"] = Field(
+        "auto", description="'muon': Muon (orthogonalised momentum, tasks/engine/muon.py) for the 2-D matrices "
+        "inside the blocks and AdamW for the embedding/LM head and norms; 'adamw' for every parameter; 'auto' "
+        "(default): muon, except adamw with strategy=fsdp (Muon needs whole matrices, FSDP shards them; a run "
+        "resumes only under the optimizer that wrote its checkpoint). Pretraining only: recover uses AdamW.")
+    muon_lr: float = Field(2e-3, gt=0, description="Muon's peak learning rate. Its updates are scaled to AdamW's "
+                           "RMS (torch's 'match_rms_adamw'), so it is on the same scale as train.lr.")
+    lr_schedule: Literal["cosine", "wsd"] = Field(
+        "wsd", description="After warm-up: 'cosine' decays to min_lr over the whole run; 'wsd' "
+        "(warmup-stable-decay, trapezoid) holds the peak, then decays linearly to min_lr over the last "
+        "cooldown_fraction of the run.")
+    cooldown_fraction: float = Field(0.4, gt=0.0, le=1.0, description="lr_schedule=wsd: share of the steps spent "
+                                     "in the final linear decay.")
+    zero_init_residual: bool = Field(
+        True, description="Start each block's output projections (attention wo, MLP down) at zero, so every "
+        "block begins as the identity (nanoGPT speedrun). Init only: the architecture stays Llama's.")
+    weight_decay: float = Field(0.1, ge=0, description="Weight decay on matrices (AdamW's and Muon's).")
     betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this (0 = off).")
     max_tokens: int | None = Field(None, gt=0, description="Stop after this many training tokens.")
@@ -209,12 +227,22 @@ class TrainConfig(Section):
         "runs:/RUN_ID/model. Their tokenizer is used, and model.* must match their shape.",
     )
 
+    def optimizer_in_use(self) -> Literal["adamw", "muon"]:
+        if self.optimizer == "auto":
+            return "adamw" if self.strategy == "fsdp" else "muon"
+        return self.optimizer
+
     @model_validator(mode="after")
     def _has_a_budget(self) -> TrainConfig:
         if self.max_tokens is None and self.max_steps is None and self.max_minutes is None:
             raise ValueError("train needs a budget: set max_tokens, max_steps or max_minutes")
         if self.min_lr > self.lr:
             raise ValueError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}")
+        if self.optimizer == "muon" and self.strategy == "fsdp" and self.nproc_per_node * self.nnodes > 1:
+            # Newton-Schulz orthogonalises the whole matrix; an FSDP rank holds only a slice of it.
+            raise ValueError("train.optimizer=muon cannot run with train.strategy=fsdp: Muon needs each full "
+                             "weight matrix, FSDP gives a process a shard; use train.strategy=ddp or "
+                             "train.optimizer=adamw")
         return self
 
 

@@ -48,6 +48,8 @@ def test_config_file_applies_over_profile_and_set_over_file(tmp_path: Path):
         (["data.val_fraction=0"], "data.val_fraction: Input should be greater than 0"),
         (["train.max_steps=null", "train.max_minutes=null"], "train needs a budget"),
         (["novalue"], "expected section.key=value"),
+        (["train.optimizer=muon", "train.strategy=fsdp", "train.nproc_per_node=2"],
+         "train.optimizer=muon cannot run with train.strategy=fsdp"),
     ],
 )
 def test_bad_settings_are_rejected_with_a_message_naming_them(overrides, expected):
@@ -87,3 +89,10 @@ def test_the_flow_forms_blank_fields_keep_the_profile_and_filled_ones_override_i
     assert cfg.data.source == "yes"  # typed text stays text, not YAML's boolean
     assert cfg.prune.strategy == "depth" and cfg.train.max_minutes == 1.5
     assert cfg.prune.keep_ratio == 0.7  # free-form overrides have the last word
+
+
+def test_the_default_optimizer_is_muon_except_under_fsdp_where_it_cannot_run():
+    assert load_config("tiny").train.optimizer_in_use() == "muon"
+    fsdp = load_config("tiny", overrides=["train.strategy=fsdp", "train.nproc_per_node=2"])
+    assert fsdp.train.optimizer_in_use() == "adamw"
+    assert load_config("tiny", overrides=["train.optimizer=adamw"]).train.optimizer_in_use() == "adamw"

@@ -12,7 +12,7 @@ from cpuforge.models.checkpoint import (
     save_training_checkpoint,
 )
 from cpuforge.models.config import LlamaConfig, ModelConfigError
-from cpuforge.models.llama import Llama, flops_per_token, param_count
+from cpuforge.models.llama import Llama, flops_per_token, param_count, zero_residual_projections
 from cpuforge.models.runtime import generate
 
 CFG = LlamaConfig(vocab_size=97, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_mlp=64, block_size=32)
@@ -128,3 +128,17 @@ def test_activation_checkpointing_recomputes_blocks_and_keeps_gradients():
     assert calls == {"plain": 1, "ckpt": 2}  # the backward pass re-ran the block
     for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
         assert torch.allclose(a.grad, b.grad, atol=1e-6), name
+
+
+def test_zero_initialised_output_projections_make_every_block_the_identity():
+    torch.manual_seed(0)
+    m = Llama(CFG).eval()
+    zero_residual_projections(m)
+    idx = torch.randint(0, CFG.vocab_size, (2, 16))
+    with torch.no_grad():
+        logits, _ = m(idx)
+        assert torch.equal(logits, m.lm_head(m.norm(m.tok_emb(idx))))
+    m.train()
+    m(idx)[0].sum().backward()
+    assert m.blocks[0].attn.wo.weight.grad.abs().sum() > 0  # they still learn
+    assert m.blocks[0].mlp.down.weight.grad.abs().sum() > 0

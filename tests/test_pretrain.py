@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,8 @@ from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import Llama
 from cpuforge.tasks.config import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, unigram_bpb
-from cpuforge.tasks.engine.training_run import TrainingSpec, launch_torchrun, run_training
+from cpuforge.tasks.engine.trainer import lr_at
+from cpuforge.tasks.engine.training_run import TrainingSpec, launch_torchrun, run_training, settings
 from cpuforge.tasks.errors import DataError, UserError
 from cpuforge.tasks.pretrain import _check_resumable
 from cpuforge.tasks.tokenize import tokenize
@@ -98,6 +100,34 @@ def test_sigkill_then_rerun_ends_with_bitwise_identical_weights(shards, tmp_path
     a = load_file(str(tmp_path / "a" / "model" / "model.safetensors"))
     b = load_file(str(tmp_path / "b" / "model" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bitwise, not approximately
+
+
+def test_wsd_schedule_warms_up_holds_the_peak_then_decays_linearly_to_min_lr():
+    s = replace(settings(load_config("tiny").train, torch.float32, 0.0), lr=1.0, min_lr=0.1, warmup_steps=10,
+                lr_schedule="wsd", cooldown_fraction=0.4)
+    lrs = [lr_at(step, s, horizon=100) for step in range(100)]
+    assert lrs[0] == 0.1 and lrs[9] == 1.0
+    assert all(lr == 1.0 for lr in lrs[10:60])
+    decay = lrs[60:]
+    assert all(a > b for a, b in zip(decay, decay[1:])) and decay[-1] == pytest.approx(0.1)
+    assert decay[0] - decay[1] == pytest.approx(decay[-2] - decay[-1])  # linear
+
+
+def test_muon_recipe_trains_and_resumes_to_the_same_weights(shards, tmp_path):
+    """optimizer=muon with the WSD schedule and zero-initialised projections: it learns, and a run
+    restarted from its step-10 checkpoint (Muon's momentum included) ends bitwise equal to a straight one."""
+    args = ("train.max_steps=20", "train.checkpoint_every_steps=10", "train.optimizer=muon", "train.muon_lr=0.01",
+            "train.lr_schedule=wsd", "train.zero_init_residual=true", "train.warmup_steps=3")
+    straight = run_training(spec_for(shards, tmp_path / "a", *args)).model_dump()
+    history = [json.loads(line) for line in (tmp_path / "a" / "history.jsonl").read_text().splitlines()]
+    assert straight["steps"] == 20 and history[-1]["loss"] < history[0]["loss"] - 0.5
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step-00000010", tmp_path / "b" / "checkpoints" / "step-00000010")
+    resumed = run_training(spec_for(shards, tmp_path / "b", *args)).model_dump()
+    assert resumed["resumed_from"] == 10 and resumed["steps"] == 20
+    a = load_file(str(tmp_path / "a" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "model" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_two_processes_with_ddp_over_gloo(shards, tmp_path):

@@ -1,7 +1,8 @@
 """The CPU training engine shared by pretraining and recovery (distillation).
 
 One loop, stated plainly: budget in tokens, steps or wall-clock minutes (whichever ends
-first), AdamW with warmup + cosine decay, gradient accumulation and clipping, periodic
+first), AdamW (or Muon for the hidden matrices, tasks/engine/muon.py) with warmup and then
+cosine decay or warmup-stable-decay, gradient accumulation and clipping, periodic
 validation in bits per byte, atomic checkpoints, exact resume, and DDP over gloo when
 launched by torchrun.
 
@@ -35,6 +36,7 @@ from cpuforge.models.llama import Llama, flops_per_token
 from cpuforge.tasks.engine import sharding
 from cpuforge.tasks.engine.data import BatchSampler, bits_per_byte
 from cpuforge.tasks.engine.hardware import peak_rss_mb
+from cpuforge.tasks.engine.muon import MuonAdamW
 
 log = logging.getLogger("cpuforge.trainer")
 
@@ -66,6 +68,10 @@ class TrainSettings:
     # adds its teacher's forward passes, which the step computes too.
     flops_per_token: float = 0.0
     strategy: str = "ddp"  # with several processes: "ddp" (replicas) or "fsdp" (shards), see tasks/engine/sharding.py
+    optimizer: str = "adamw"  # "adamw", or "muon" (hidden matrices; AdamW for the rest)
+    muon_lr: float = 0.0  # Muon's peak learning rate (AdamW scale); its schedule follows lr's
+    lr_schedule: str = "cosine"  # "cosine" or "wsd" (warmup, stable, linear decay)
+    cooldown_fraction: float = 0.0  # wsd: share of the horizon spent decaying to min_lr
 
 
 @dataclass
@@ -113,15 +119,32 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, world: i
 def lr_at(step: int, s: TrainSettings, horizon: int) -> float:
     if step < s.warmup_steps:
         return s.lr * (step + 1) / s.warmup_steps
+    if s.lr_schedule == "wsd":  # hold the peak, then decay linearly over the last cooldown_fraction
+        decay_start = max(s.warmup_steps, horizon - round(s.cooldown_fraction * horizon))
+        if step < decay_start:
+            return s.lr
+        progress = min(1.0, (step - decay_start + 1) / max(1, horizon - decay_start))
+        return s.lr + progress * (s.min_lr - s.lr)
     progress = min(1.0, (step - s.warmup_steps) / max(1, horizon - s.warmup_steps))
     return s.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (s.lr - s.min_lr)
 
 
-def make_optimizer(model: torch.nn.Module, s: TrainSettings) -> torch.optim.AdamW:
-    """Weight decay on matrices only (not norms); one parameter per tied pair."""
-    params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
-    decay = [p for p in params if p.dim() >= 2]
+def make_optimizer(model: torch.nn.Module, s: TrainSettings) -> torch.optim.Optimizer:
+    """Weight decay on matrices only (not norms); one parameter per tied pair. With optimizer=muon the
+    blocks' matrices go to Muon and the rest (embedding/LM head, norms) to AdamW. A group's
+    ``lr_ratio`` is its peak learning rate over train.lr: the schedule scales every group alike."""
+    named = list({id(p): (n, p) for n, p in model.named_parameters() if p.requires_grad}.values())
+    params = [p for _, p in named]
     no_decay = [p for p in params if p.dim() < 2]
+    if s.optimizer == "muon":
+        hidden = [p for n, p in named if p.dim() == 2 and n.startswith("blocks.")]
+        other = [p for n, p in named if p.dim() >= 2 and not n.startswith("blocks.")]
+        groups = [{"params": hidden, "weight_decay": s.weight_decay, "use_muon": True, "lr": s.muon_lr,
+                   "lr_ratio": s.muon_lr / s.lr},
+                  {"params": other, "weight_decay": s.weight_decay, "lr_ratio": 1.0},
+                  {"params": no_decay, "weight_decay": 0.0, "lr_ratio": 1.0}]
+        return MuonAdamW(groups, lr=s.lr, betas=s.betas)
+    decay = [p for p in params if p.dim() >= 2]
     groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, foreach=True)
 
@@ -276,7 +299,7 @@ class _Training:
         s = self.s
         lr = lr_at(self.step_count, s, self.horizon if self.horizon is not None else 10**9)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_ratio", 1.0)
         loss_sum = 0.0
         parts: dict[str, float] = {}
         for micro in range(s.grad_accum):

@@ -28,7 +28,7 @@ from cpuforge.models.checkpoint import load_model, read_config, save_model
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.fileio import atomic_write_text
 from cpuforge.models.hf_format import write_tokenizer
-from cpuforge.models.llama import Llama, flops_per_token
+from cpuforge.models.llama import Llama, flops_per_token, zero_residual_projections
 from cpuforge.tasks.config import RecoverConfig, TrainConfig
 from cpuforge.tasks.engine import sharding
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
@@ -90,13 +90,17 @@ def settings(t: TrainConfig, dtype: torch.dtype, peak_flops: float) -> TrainSett
         weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip, max_tokens=t.max_tokens,
         max_steps=t.max_steps, max_minutes=t.max_minutes, eval_interval=t.eval_interval,
         checkpoint_every_steps=t.checkpoint_every_steps, checkpoint_every_minutes=t.checkpoint_every_minutes,
-        seed=t.seed, dtype=dtype, peak_flops=peak_flops, strategy=t.strategy,
+        seed=t.seed, dtype=dtype, peak_flops=peak_flops, strategy=t.strategy, optimizer=t.optimizer_in_use(),
+        muon_lr=t.muon_lr, lr_schedule=t.lr_schedule, cooldown_fraction=t.cooldown_fraction,
     )
 
 
 def recover_settings(t: TrainConfig, r: RecoverConfig, dtype: torch.dtype, peak_flops: float) -> TrainSettings:
-    """Pretraining's engine settings with recovery's budget and learning rate."""
-    return replace(settings(t, dtype, peak_flops), lr=r.lr, min_lr=r.lr / 10,
+    """Pretraining's engine settings with recovery's budget and learning rate. Recovery keeps AdamW with
+    cosine decay whatever pretraining used: train.optimizer/muon_lr/lr_schedule were tuned for training
+    from scratch, not for distilling into pruned weights at recover.lr."""
+    return replace(settings(t, dtype, peak_flops), lr=r.lr, min_lr=r.lr / 10, optimizer="adamw",
+                   lr_schedule="cosine",
                    warmup_steps=min(t.warmup_steps, 10), max_tokens=r.max_tokens, max_steps=r.max_steps,
                    max_minutes=r.max_minutes,
                    seed=t.seed + 1)  # a data stream of its own, not a replay of pretraining's first steps
@@ -180,7 +184,12 @@ def _build(spec: TrainingSpec):
                     flops_per_token=training_flops_per_token(student.cfg, teacher.cfg))
     assert spec.model is not None
     # Continued pretraining starts from given weights (a checkpoint found later still takes precedence).
-    model = load_model(Path(spec.init_dir), expect=spec.model) if spec.init_dir else Llama(spec.model)
+    if spec.init_dir:
+        model = load_model(Path(spec.init_dir), expect=spec.model)
+    else:
+        model = Llama(spec.model)
+        if spec.train.zero_init_residual:
+            zero_residual_projections(model)
     return model, lm_loss, settings(spec.train, dtype, spec.peak_flops)
 
 

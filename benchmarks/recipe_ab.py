@@ -1,0 +1,185 @@
+"""The training recipe A/B: validation bits per byte at the same wall-clock, on two corpora.
+
+    nice python benchmarks/recipe_ab.py --minutes 5 --threads 2 \\
+        --corpus stdlib --corpus '/usr/share/vim/vim90/doc/*.txt'
+
+Method. The machine is shared, so a literal "train each arm for 5 minutes" would measure the
+load, not the recipe. Instead:
+1. Step time, in alternation: every arm's model and optimizer are built in this one process
+   and timed round-robin (a few steps each per round, best of the rounds), so a slow spell
+   hits all arms alike. The ratio to today's recipe is what is kept.
+   Arms whose steps do the same work (same optimizer; lr, schedule and init change numbers,
+   not work) share one timing.
+2. Today's recipe gets the steps it completes in --minutes at its throughput (--base-tok-s,
+   or its best timed throughput here), and every other arm that many steps scaled by its
+   step-time ratio (an arm 5% slower per step gets 5% fewer steps).
+3. Each arm trains with max_steps (deterministic in tokens, whatever the load) on the demo
+   profile's model shape and batch, and is scored on the same fixed validation batches.
+The table prints each arm's step-time ratio, steps, val bits per byte and its change
+against today's recipe. Arms are --set style overrides of the train section on top of the
+demo profile; `today` pins the recipe the demo profile shipped with before this benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from cpuforge.models.llama import Llama, zero_residual_projections
+from cpuforge.tasks.config import load_config
+from cpuforge.tasks.engine.data import BatchSampler, open_shards, token_byte_lengths, val_batches
+from cpuforge.tasks.engine.trainer import lm_loss, make_optimizer, train
+from cpuforge.tasks.engine.training_run import settings
+from cpuforge.tasks.tokenize import tokenize
+
+# The recipe before this A/B (AdamW, warmup 30 + cosine to lr/10, default init), pinned so the
+# baseline stays today's whatever the defaults become.
+TODAY = ["optimizer=adamw", "lr=2e-3", "min_lr=2e-4", "warmup_steps=30", "lr_schedule=cosine",
+         "zero_init_residual=false"]
+WSD = ["lr_schedule=wsd", "cooldown_fraction=0.4", "min_lr=0"]
+ARMS: dict[str, list[str]] = {
+    "today": [],
+    "adamw-wsd-zero-lr4e-3": [*WSD, "lr=4e-3", "zero_init_residual=true"],
+    "muon-wsd-zero-lr4e-3": ["optimizer=muon", "muon_lr=4e-3", *WSD, "lr=4e-3", "zero_init_residual=true"],
+    "muon-wsd-zero-lr8e-3": ["optimizer=muon", "muon_lr=8e-3", *WSD, "lr=4e-3", "zero_init_residual=true"],
+}
+
+
+def arm_config(arm: str, extra: list[str]):
+    overrides = ["model.size=demo", *(f"train.{o}" for o in TODAY + extra), "train.max_minutes=null",
+                 "train.max_steps=1"]
+    return load_config("demo", overrides=overrides)
+
+
+def prepare_corpus(source: str, root: Path) -> Path:
+    """Tokenize a corpus as the demo profile does (its own tokenizer), once per source."""
+    name = "stdlib" if source == "stdlib" else Path(source.split("*")[0]).name or "corpus"
+    out = root / name / "tok"
+    if (out / "meta.json").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = load_config("demo", overrides=[f"data.source={source}"])
+    tokenize(cfg.data, cfg.tokenizer, out, root / name / "cache")
+    return out
+
+
+def build(cfg, vocab: int) -> tuple[Llama, torch.optim.Optimizer]:
+    torch.manual_seed(cfg.train.seed)
+    model = Llama(cfg.model.shape(vocab))
+    if cfg.train.zero_init_residual:
+        zero_residual_projections(model)
+    return model, make_optimizer(model, settings(cfg.train, torch.float32, 0.0))
+
+
+def step_class(extra: list[str]) -> str:
+    """Arms whose steps do the same work share one timing: lr, schedule and init change numbers, not work;
+    the optimizer changes the work (Muon's Newton-Schulz)."""
+    return arm_config("", extra).train.optimizer_in_use()
+
+
+def time_steps(arms: dict[str, list[str]], tok: Path, rounds: int, steps: int) -> dict[str, float]:
+    """Best seconds per optimizer step of each arm's step class, timed round-robin in this process."""
+    shards = open_shards(tok, 256)
+    built = {}
+    for arm, extra in arms.items():
+        if step_class(extra) in built:
+            continue
+        cfg = arm_config(arm, extra)
+        model, opt = build(cfg, shards.vocab_size)
+        sampler = BatchSampler(shards.train, cfg.train.batch_size, model.cfg.block_size, cfg.train.seed, 0, 1)
+        built[step_class(extra)] = (model, opt, sampler)
+    best = {name: math.inf for name in built}
+    for r in range(rounds + 1):  # round 0 warms up allocators and caches, and is not counted
+        for name, (model, opt, sampler) in built.items():
+            t0 = time.perf_counter()
+            for i in range(steps):
+                x, y = sampler.batch(r * steps + i, 0)
+                lm_loss(model, x, y).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if r:
+                best[name] = min(best[name], (time.perf_counter() - t0) / steps)
+    return {arm: best[step_class(extra)] for arm, extra in arms.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", action="append", help="data.source of a corpus (repeat; default: stdlib)")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of: {', '.join(ARMS)}")
+    parser.add_argument("--minutes", type=float, default=5.0, help="wall-clock budget the steps stand for")
+    parser.add_argument("--base-tok-s", type=float, default=None,
+                        help="today's recipe's idle tokens/s (default: its best timed throughput here)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--eval-batches", type=int, default=32, help="fixed val batches (8 x 256 tokens each)")
+    parser.add_argument("--timing-rounds", type=int, default=4)
+    parser.add_argument("--timing", help="JSON of seconds per step per arm: read if it exists, else measured and "
+                        "written (so several invocations, e.g. one per corpus, share one measurement)")
+    parser.add_argument("--time-only", action="store_true", help="measure step times, print them and stop")
+    parser.add_argument("--workdir", default="/tmp/cpuforge-recipe-ab")
+    parser.add_argument("--json", help="write the table here too")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    root = Path(args.workdir)
+    trained = args.arms.split(",")
+    arms = {"today": [], **{a: ARMS[a] for a in trained}}  # today's recipe is the yardstick of the step ratio
+    corpora = args.corpus or ["stdlib"]
+    toks = {source: prepare_corpus(source, root) for source in corpora}
+
+    timing = Path(args.timing) if args.timing else None
+    if timing and timing.is_file():
+        per_step = {arm: json.loads(timing.read_text())[arm] for arm in arms}
+    else:
+        per_step = time_steps(arms, toks[corpora[0]], args.timing_rounds, steps=3)
+        if timing:
+            timing.write_text(json.dumps(per_step, indent=2))
+    tokens_per_step = 8 * 256
+    base_tok_s = args.base_tok_s or tokens_per_step / per_step["today"]
+    base_steps = round(args.minutes * 60 * base_tok_s / tokens_per_step)
+    print(f"threads {args.threads}; today's recipe: {tokens_per_step / per_step['today']:.0f} tok/s timed here, "
+          f"{base_tok_s:.0f} tok/s used -> {base_steps} steps in {args.minutes:g} min")
+    ratio = {arm: per_step[arm] / per_step["today"] for arm in arms}
+    steps = {arm: max(1, round(base_steps / ratio[arm])) for arm in arms}
+    for arm in arms:
+        print(f"  {arm:<22} {per_step[arm] * 1000:7.1f} ms/step  x{ratio[arm]:.3f}  -> {steps[arm]} steps")
+    if args.time_only:
+        return
+
+    table = []
+    for source, tok in toks.items():
+        shards = open_shards(tok, 256)
+        lengths = token_byte_lengths(shards.tokenizer_path)
+        val = val_batches(shards.val, args.eval_batches, 8, 256)
+        print(f"\ncorpus {source}: {len(shards.train):,} train tokens, {sum(x.numel() for x, _ in val):,} val tokens")
+        results = {}
+        for arm in trained:
+            extra = arms[arm]
+            cfg = arm_config(arm, extra)
+            model, _ = build(cfg, shards.vocab_size)
+            s = replace(settings(cfg.train, torch.float32, 0.0), max_steps=steps[arm], max_minutes=None,
+                        eval_interval=10**9, checkpoint_every_steps=10**9, checkpoint_every_minutes=10**9)
+            ckpt = root / tok.parent.name / "runs" / arm
+            shutil.rmtree(ckpt, ignore_errors=True)  # a fresh run each time, not a resume of the last one
+            t0 = time.perf_counter()
+            result = train(model, shards.train, val, lengths, s, ckpt)
+            results[arm] = result.val_bpb
+            rel = result.val_bpb / results["today"] - 1 if "today" in results else math.nan
+            print(f"  {arm:<22} steps {steps[arm]:4d}  val bpb {result.val_bpb:.4f}  {100 * rel:+6.2f}% vs today"
+                  f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+            table.append({"corpus": source, "arm": arm, "overrides": extra, "step_time_ratio": round(ratio[arm], 4),
+                          "steps": steps[arm], "val_bpb": round(result.val_bpb, 4), "vs_today": round(rel, 4)})
+    if args.json:
+        Path(args.json).write_text(json.dumps({"base_tok_s": base_tok_s, "minutes": args.minutes, "rows": table},
+                                              indent=2))
+
+
+if __name__ == "__main__":
+    main()
