@@ -8,9 +8,8 @@ the two so machine noise hits both alike; prints median tokens/s of each, the ra
 against this machine's measured matmul peak in the precision the steps ran in. --precision auto
 (the default) is what the pipeline would pick: the same measured A/B of a training step
 (tasks/hardware.choose_precision; bf16 is not timed on a CPU without native bf16); fp32 or bf16
-forces one (bf16 = autocast, as the trainer runs it). Both train with fused AdamW, the kind the
-trainer builds (tasks/engine/trainer.make_optimizer), so the ratio compares the models' steps.
-Goals (issue 15): ratio >= 1.3, MFU >= 60%. benchmarks/train_levers.py measures each lever.
+forces one (bf16 = autocast, as the trainer runs it). Goals (issue 15): ratio >= 1.3, MFU >= 60%.
+benchmarks/train_levers.py measures what each lever of the step is worth.
 """
 
 from __future__ import annotations
@@ -86,7 +85,7 @@ def main() -> None:
         compiled = Llama(cfg)
         compiled.forward = torch.compile(compiled.forward)  # what train.compile=true does
         contenders["cpuforge+compile"] = (compiled, forward_ours)
-    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for name, (m, _) in contenders.items()}
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True) for name, (m, _) in contenders.items()}
 
     def step(name: str) -> None:
         model, fwd = contenders[name]
