@@ -6,15 +6,17 @@
 Every variant trains the same model (same seed, dimensions, batch, loss) and they are timed in
 alternation, one optimizer step per turn, so machine noise hits them alike; other load can only
 slow a step, so each variant's best step is its figure and the ratios are to "before" (the step as
-it was: q/k/v and gate/up as separate matmuls, q and k rotated one at a time, foreach AdamW).
-Variants, each adding one lever to the previous:
+it was: q, k and v as separate matmuls, q and k rotated one at a time). All use foreach AdamW,
+as tasks/engine/trainer.make_optimizer does, unless named otherwise. Variants:
 
-    before          the reference forward (kept here as it was) and foreach AdamW
-    fused AdamW     torch.optim.AdamW(fused=True), as tasks/engine/trainer.make_optimizer now builds it
-    fused QKV+rope  q, k, v as one matmul over the concatenated weights, q and k rotated together
-    fused gate/up   gate and up as one matmul: the model as it is now (models/llama.py)
-    chunked CE      the LM head and cross-entropy over 4 slices of the batch (never all logits at once)
-    compile         (--compile) the model's forward under torch.compile; prints the compile time and
+    before          the reference attention (kept here as it was)
+    fused AdamW     before, with torch.optim.AdamW(fused=True)
+    fused QKV+rope  the model as it is (models/llama.py): q, k, v as one matmul over the concatenated
+                    weights, q and k rotated together
+    + gate/up       and gate and up as one matmul too
+    + chunked CE    the model as it is, the LM head and cross-entropy over 4 slices of the batch
+                    (never all logits at once)
+    + compile       (--compile) the model as it is under torch.compile; prints the compile time and
                     how many minutes of training it takes to earn it back
 
 --batches also times the model as it is at other batch sizes (tokens/s; ratio to "before").
@@ -49,8 +51,10 @@ def attention_before(self, x, cos, sin, cache=None, mask=None):
     return self.wo(y.transpose(1, 2).reshape(B, T, -1)), (k, v)
 
 
-def mlp_before(self, x):
-    return self.down(F.silu(self.gate(x)) * self.up(x))
+def mlp_fused(self, x):
+    """gate and up as one matmul over their concatenated weights."""
+    gate, up = F.linear(x, torch.cat((self.gate.weight, self.up.weight))).chunk(2, dim=-1)
+    return self.down(F.silu(gate) * up)
 
 
 def hidden_states(model: Llama, idx: torch.Tensor) -> torch.Tensor:
@@ -79,8 +83,8 @@ class Variant:
         for block in self.model.blocks:
             if not fused_qkv:
                 block.attn.forward = attention_before.__get__(block.attn)
-            if not fused_mlp:
-                block.mlp.forward = mlp_before.__get__(block.mlp)
+            if fused_mlp:
+                block.mlp.forward = mlp_fused.__get__(block.mlp)
         if compile:
             self.model.forward = torch.compile(self.model.forward)  # what train.compile=true does
         kind = {"fused": True} if fused_adamw else {"foreach": True}
@@ -132,23 +136,23 @@ def main() -> None:
     print(f"batch {B} x {cfg.block_size}, d_model {cfg.d_model}, {cfg.n_layer} layers, vocab {cfg.vocab_size}, "
           f"{args.threads} threads, fp32, {args.clock} clock")
 
-    now = dict(fused_qkv=True, fused_mlp=True, fused_adamw=True)
+    now = dict(fused_qkv=True, fused_mlp=False, fused_adamw=False)
     variants = {
         "before": Variant(cfg, B, fused_qkv=False, fused_mlp=False, fused_adamw=False),
         "fused AdamW": Variant(cfg, B, fused_qkv=False, fused_mlp=False, fused_adamw=True),
-        "fused QKV+rope": Variant(cfg, B, fused_qkv=True, fused_mlp=False, fused_adamw=True),
-        "fused gate/up": Variant(cfg, B, **now),
-        "chunked CE": Variant(cfg, B, **now, chunks=4),
+        "fused QKV+rope": Variant(cfg, B, **now),
+        "+ gate/up": Variant(cfg, B, fused_qkv=True, fused_mlp=True, fused_adamw=False),
+        "+ chunked CE": Variant(cfg, B, **now, chunks=4),
     }
     if args.compile:
-        variants["compile"] = Variant(cfg, B, **now, compile=True)
+        variants["+ compile"] = Variant(cfg, B, **now, compile=True)
     for b in (int(b) for b in args.batches.split(",") if b):
         variants[f"batch {b}"] = Variant(cfg, b, **now)
 
     with torch.no_grad():  # the levers change how the maths is computed, not what it is
         reference = variants["before"].model(variants["before"].x)[0]
         for name, v in variants.items():
-            if not name.startswith("batch") and name != "compile":
+            if not name.startswith(("batch", "+ compile")):
                 assert torch.allclose(v.model(v.x)[0], reference, atol=1e-5), name
     warmup: dict[str, float] = {}  # wall seconds: compilation also runs in worker processes
     for name, v in variants.items():  # first-call allocations (and compilation)
@@ -164,9 +168,9 @@ def main() -> None:
     for name, v in variants.items():
         print(f"{name:>16}  {v.tokens_per_s():7.0f}  {v.tokens_per_s() / base:.3f}")
     if args.compile:
-        eager, compiled = variants["fused gate/up"], variants["compile"]
+        eager, compiled = variants["fused QKV+rope"], variants["+ compile"]
         saved_per_token = 1 / eager.tokens_per_s() - 1 / compiled.tokens_per_s()
-        compile_s = warmup["compile"] - warmup["fused gate/up"]
+        compile_s = warmup["+ compile"] - warmup["fused QKV+rope"]
         if saved_per_token > 0:
             minutes = compile_s / saved_per_token / eager.tokens_per_s() / 60
             print(f"compile: {compile_s:.0f}s to compile, repaid after {minutes:.1f} min of eager training")
