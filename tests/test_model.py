@@ -12,7 +12,7 @@ from cpuforge.models.checkpoint import (
     save_training_checkpoint,
 )
 from cpuforge.models.config import LlamaConfig, ModelConfigError
-from cpuforge.models.llama import Llama, flops_per_token, param_count, zero_residual_projections
+from cpuforge.models.llama import Llama, flops_per_token, param_count, rope_cache, zero_residual_projections
 from cpuforge.models.runtime import generate
 
 CFG = LlamaConfig(vocab_size=97, n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_mlp=64, block_size=32)
@@ -142,3 +142,25 @@ def test_zero_initialised_output_projections_make_every_block_the_identity():
     m(idx)[0].sum().backward()
     assert m.blocks[0].attn.wo.weight.grad.abs().sum() > 0  # they still learn
     assert m.blocks[0].mlp.down.weight.grad.abs().sum() > 0
+
+
+def test_fused_attention_path_computes_what_the_separate_projections_do():
+    """A cacheless pass computes q/k/v as one matmul and rotates q and k together; the result and
+    every weight's gradient must equal the separate path (the masked one, as the ONNX decoder runs it)."""
+    torch.manual_seed(0)
+    fused, separate = Llama(CFG).blocks[0], Llama(CFG).blocks[0]
+    separate.load_state_dict(fused.state_dict())
+    T = 16
+    cos, sin = rope_cache(CFG, T)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    x = torch.randn(2, T, CFG.d_model)
+    out_fused, (k_fused, v_fused) = fused(x, cos, sin)
+    out_separate, (k_sep, v_sep) = separate(x, cos, sin, None, causal)
+    assert torch.allclose(out_fused, out_separate, atol=1e-5)
+    assert torch.allclose(k_fused, k_sep, atol=1e-6) and torch.allclose(v_fused, v_sep, atol=1e-6)
+    grad = torch.randn_like(out_fused)
+    out_fused.backward(grad)
+    out_separate.backward(grad)
+    assert list(dict(fused.named_parameters())) == list(dict(separate.named_parameters()))  # names unchanged
+    for (name, a), b in zip(fused.named_parameters(), separate.parameters()):
+        assert a.grad is not None and torch.allclose(a.grad, b.grad, atol=1e-5), name

@@ -132,7 +132,9 @@ def lr_at(step: int, s: TrainSettings, horizon: int) -> float:
 def make_optimizer(model: torch.nn.Module, s: TrainSettings) -> torch.optim.Optimizer:
     """Weight decay on matrices only (not norms); one parameter per tied pair. With optimizer=muon the
     blocks' matrices go to Muon and the rest (embedding/LM head, norms) to AdamW. A group's
-    ``lr_ratio`` is its peak learning rate over train.lr: the schedule scales every group alike."""
+    ``lr_ratio`` is its peak learning rate over train.lr: the schedule scales every group alike.
+    AdamW is foreach, not fused: the fused CPU kernel was no faster on a demo step (0.97-1.03x,
+    benchmarks/train_levers.py)."""
     named = list({id(p): (n, p) for n, p in model.named_parameters() if p.requires_grad}.values())
     params = [p for _, p in named]
     no_decay = [p for p in params if p.dim() < 2]

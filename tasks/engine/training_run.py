@@ -64,6 +64,7 @@ class TrainingSpec(BaseModel):
     student_dir: str | None = None
     teacher_dir: str | None = None
     rdzv_id: str = ""  # names the rendezvous of a multi-process run
+    cache_dir: str = ""  # the workdir's cache: torch.compile keeps its compiled graphs there (train.compile)
 
 
 class TrainingResult(BaseModel):
@@ -135,7 +136,7 @@ def training_spec(kind: Literal["pretrain", "recover"], train_cfg: TrainConfig, 
         tokenize_dir=str(tokenize_dir), out_dir=str(out_dir), threads=threads, dtype=dtype, precision=precision,
         peak_flops=matmul_peak(threads, cache_dir, getattr(torch, dtype)),
         flops_per_token=training_flops_per_token(model_cfg, teacher_cfg), tracking_uri=tracking_uri, run_id=run_id,
-        **{name: str(path) for name, path in model_dirs.items()},
+        cache_dir=str(cache_dir), **{name: str(path) for name, path in model_dirs.items()},
     )
 
 
@@ -208,6 +209,8 @@ def run_training(spec: TrainingSpec | dict[str, Any]) -> TrainingResult | None:
     shards = open_shards(Path(spec.tokenize_dir), block)
     model.activation_checkpointing = t.activation_checkpointing
     if t.compile:
+        if spec.cache_dir:  # inductor's FX graph and autograd caches: a later run skips most of the compile
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(spec.cache_dir) / "inductor"))
         model.forward = torch.compile(model.forward)  # type: ignore[method-assign]
     out_dir = Path(spec.out_dir)
     byte_lengths = token_byte_lengths(shards.tokenizer_path)
