@@ -58,7 +58,8 @@ def exported(trained, tokenized, tmp_path_factory) -> tuple[StageRecord, dict]:
 @pytest.fixture(scope="module")
 def quantized(exported, tokenized, trained, tmp_path_factory) -> tuple[StageRecord, dict]:
     out = tmp_path_factory.mktemp("quantize")
-    result = build_stage("quantize", load_config("tiny"), out, tokenize=tokenized, recover=trained, export=exported[0])
+    cfg = load_config("tiny", overrides=["quantize.method=best"])  # every candidate family, GenAI's included
+    result = build_stage("quantize", cfg, out, tokenize=tokenized, recover=trained, export=exported[0])
     return StageRecord(stage="quantize", key="q", output_dir=str(out), files=result.files), result.metrics
 
 

@@ -101,7 +101,7 @@ def test_a_setting_changes_the_config_of_only_the_stages_that_read_it():
     assert changed("prune.keep_ratio=0.6") == {"prune"}
     assert changed("tokenizer.vocab_size=400") == {"tokenize"}
     assert changed("train.lr=0.001") == {"pretrain", "recover"}  # recovery trains with the train section too
-    assert changed("quantize.method=dynamic") == {"quantize"}
+    assert changed("quantize.method=static") == {"quantize"}
     assert changed("eval.max_tokens=2048") == {"evaluate"}
     # Settings that only say where an input comes from or how it is computed re-run nothing by
     # themselves: the resolved input (weights, tokenizer file, shards: the same bytes) keys the stage.
