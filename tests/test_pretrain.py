@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import pickle
@@ -128,6 +129,22 @@ def test_muon_recipe_trains_and_resumes_to_the_same_weights(shards, tmp_path):
     a = load_file(str(tmp_path / "a" / "model" / "model.safetensors"))
     b = load_file(str(tmp_path / "b" / "model" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_run_resumes_under_the_optimizer_that_wrote_its_checkpoint(shards, tmp_path, caplog):
+    """An AdamW checkpoint (an FSDP run's under optimizer=auto, or one from before Muon) resumed where
+    train.optimizer now names Muon continues with AdamW, its state intact, and says so."""
+    base = ("train.max_steps=12", "train.checkpoint_every_steps=6")
+    run_training(spec_for(shards, tmp_path / "a", *base, "train.optimizer=adamw"))
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "step-00000006", tmp_path / "b" / "checkpoints" / "step-00000006")
+    with caplog.at_level(logging.WARNING, logger="cpuforge.trainer"):
+        resumed = run_training(spec_for(shards, tmp_path / "b", *base, "train.optimizer=muon")).model_dump()
+    assert resumed["resumed_from"] == 6 and resumed["steps"] == 12
+    assert "written by adamw: resuming with adamw, not muon" in caplog.text
+    a = load_file(str(tmp_path / "a" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "model" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the same training as the uninterrupted AdamW run
 
 
 def test_two_processes_with_ddp_over_gloo(shards, tmp_path):

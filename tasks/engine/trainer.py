@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -254,6 +254,7 @@ class _Training:
             self.history = state["history"]
             torch.set_rng_state(state["torch_rng"])
             self.resumed_from = self.step_count
+            self._keep_checkpoint_optimizer(state.get("optimizer", "adamw"))  # older checkpoints: AdamW's
             if self.is_main:
                 log.info("resuming from %s (step %d, %d tokens)", self.found.name, self.step_count, self.tokens)
         self.horizon_frozen = self.horizon is not None  # restored from a checkpoint
@@ -263,6 +264,19 @@ class _Training:
         self.probe_start: float | None = None
         self.probe_step = self.step_count
         self.window_start, self.window_tokens = time.perf_counter(), 0
+
+    def _keep_checkpoint_optimizer(self, written_by: str) -> None:
+        """A run resumes under the optimizer that wrote its checkpoint: its state is that optimizer's, and
+        train.optimizer=auto can name another after a change of strategy (fsdp -> ddp)."""
+        if written_by == self.s.optimizer:
+            return
+        if written_by == "muon" and self.world > 1 and self.s.strategy == "fsdp":
+            raise ValueError(f"{self.found} was written by Muon, which cannot run with train.strategy=fsdp on "
+                             "several processes: resume it with train.strategy=ddp")
+        if self.is_main:
+            log.warning("%s was written by %s: resuming with %s, not %s", self.found.name, written_by, written_by,
+                        self.s.optimizer)
+        self.s = replace(self.s, optimizer=written_by)
 
     def shard(self) -> None:
         """Lay the model out over the processes (DDP replicas or FSDP shards) and make its optimizer."""
@@ -386,7 +400,7 @@ class _Training:
             if self.is_main:
                 log.info("wall-clock budget of %.1f min -> cosine horizon fixed at %d steps", s.max_minutes, self.horizon)
         state = {"step": step, "tokens": self.tokens, "elapsed": self.elapsed(), "horizon": self.horizon,
-                 "history": self.history, "torch_rng": torch.get_rng_state()}
+                 "history": self.history, "torch_rng": torch.get_rng_state(), "optimizer": self.s.optimizer}
         if sharding.is_sharded(self.model):  # every rank writes its own shards
             sharding.save_sharded_checkpoint(self.checkpoint_dir, step, self.model, self.optimizer, state)
         elif self.is_main:
