@@ -12,14 +12,29 @@ from pathlib import Path
 
 import pytest
 
+# Folders this test session makes for itself (not those inherited from a parent session), removed at its end.
+_SESSION_FOLDERS: list[str] = []
+
+
+def _session_folder(variable: str, prefix: str) -> None:
+    if variable not in os.environ:
+        os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
+        _SESSION_FOLDERS.append(os.environ[variable])
+
+
+def pytest_unconfigure(config) -> None:
+    for folder in _SESSION_FOLDERS:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 # Before anything imports prefect, datasets or mlflow.
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="cpuforge-prefect-"))
+_session_folder("PREFECT_HOME", "cpuforge-prefect-")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "180"
 os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"] = "cpuforge"
 os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"
 # The machine-wide training slots, for this test session only (a user's own runs are not waited for).
-os.environ.setdefault("CPUFORGE_LOCK_DIR", tempfile.mkdtemp(prefix="cpuforge-locks-"))
+_session_folder("CPUFORGE_LOCK_DIR", "cpuforge-locks-")
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.pop("MLFLOW_TRACKING_URI", None)

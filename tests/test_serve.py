@@ -102,7 +102,7 @@ def test_the_served_champion_answers_a_prompt_with_cpuforges_own_greedy_text(tin
     status, body = post(f"{served}/invocations", {"inputs": ["def ", "class "],
                                                   "params": {"max_new_tokens": 8, "temperature": 0.0}})
     assert status == 200 and len(body["predictions"]) == 2 and body["predictions"][0] == greedy
-    stop = greedy.strip()[-1]
+    stop = greedy[-1]  # a tiny model's greedy text may be only whitespace: any character of it will do
     status, body = post(f"{served}/invocations", {"inputs": ["def "],
                                                   "params": {"max_new_tokens": 8, "temperature": 0, "stop": [stop]}})
     assert status == 200 and body["predictions"] == [greedy[:greedy.index(stop)]]
