@@ -73,7 +73,8 @@ def main() -> None:
         if demo not in shapes:
             shapes.append(demo)
 
-        rates = measure_shapes(shapes, cfg.train.batch_size, args.threads, rounds=args.rounds)
+        rates = measure_shapes(shapes, cfg.train.batch_size, args.threads, rounds=args.rounds,
+                               optimizer=cfg.train.optimizer_in_use())
         demo_rate = rates[shapes.index(demo)]
         print(f"{args.threads} threads, batch {cfg.train.batch_size}x{demo.block_size}, vocab {demo.vocab_size}; "
               f"budget {args.minutes:g} min at each shape's measured tok/s (best of {args.rounds}, round-robin); "

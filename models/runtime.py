@@ -22,8 +22,8 @@ from tokenizers import Tokenizer
 
 from cpuforge.models.checkpoint import CONFIG, WEIGHTS, CheckpointError, load_model
 from cpuforge.models.config import LlamaConfig, ModelConfigError
-from cpuforge.models.llama import Llama, config_param_count
 from cpuforge.models.genai_build import shares_kv_buffer
+from cpuforge.models.llama import Llama, config_param_count
 from cpuforge.models.onnx_export import (
     META_CONFIG,
     META_EOD,

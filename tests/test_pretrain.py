@@ -324,7 +324,7 @@ def test_auto_precision_is_a_measured_ab_cached_per_shape(tmp_path, monkeypatch)
 
     timed = []
 
-    def fake_steps(model_cfg, batch, threads, dtypes, teacher_cfg=None):
+    def fake_steps(model_cfg, batch, threads, dtypes, teacher_cfg=None, optimizer="adamw"):
         timed.append(dtypes)
         return {torch.float32: 1000.0, torch.bfloat16: 1800.0}
 
@@ -335,6 +335,8 @@ def test_auto_precision_is_a_measured_ab_cached_per_shape(tmp_path, monkeypatch)
     assert hardware.choose_precision("auto", SMALL, 4, 2, tmp_path) == chosen and len(timed) == 1  # cached
     hardware.choose_precision("auto", SMALL, 8, 2, tmp_path)  # another batch is another decision
     assert len(timed) == 2
+    hardware.choose_precision("auto", SMALL, 8, 2, tmp_path, optimizer="muon")  # and another optimizer
+    assert len(timed) == 3
 
     monkeypatch.setattr(hardware, "time_training_steps", lambda *a, **k: {torch.float32: 1000.0, torch.bfloat16: 1020.0})
     assert hardware.choose_precision("auto", SMALL, 16, 2, tmp_path)["dtype"] == "float32"  # a draw is fp32's
@@ -351,6 +353,16 @@ def test_the_real_ab_times_both_precisions():
 
     rates = time_training_steps(SMALL, 2, 1, (torch.float32, torch.bfloat16), teacher_cfg=SMALL, rounds=1)
     assert set(rates) == {torch.float32, torch.bfloat16} and all(r > 0 for r in rates.values())
+
+
+def test_the_step_timer_runs_the_optimizer_the_run_uses():
+    from cpuforge.tasks.engine.hardware import training_step_timer
+    from cpuforge.tasks.engine.muon import MuonAdamW
+
+    step = training_step_timer(SMALL, 2, "muon")
+    assert step() > 0 and step(torch.bfloat16) > 0
+    optimizers = [c.cell_contents for c in step.__closure__ if isinstance(c.cell_contents, torch.optim.Optimizer)]
+    assert len(optimizers) == 1 and isinstance(optimizers[0], MuonAdamW)
 
 
 def test_recover_mfu_counts_the_teachers_forward_passes(shards, tmp_path):

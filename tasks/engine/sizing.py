@@ -2,7 +2,7 @@
 
 A wall-clock budget buys a number of tokens that depends on the shape (a smaller model steps faster),
 so the choice needs this machine's training speed per shape. It is measured once per (CPU, threads,
-batch, context, vocabulary, precision, torch version): a few real training steps of each rung of
+batch, context, vocabulary, precision, optimizer, torch version): a few real training steps of each rung of
 models/config.py AUTO_LADDER, taken in alternation (round-robin, best of N) so that load from other
 processes hits every shape alike, and cached in <workdir>/cache/size_throughput.json. The cache keeps
 the first measurement: repeated runs (and `cpuforge plan`) choose the same shape and hit the stage cache.
@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,53 +86,34 @@ def candidate_shapes(base: dict[str, Any], fixed: dict[str, Any], vocab_size: in
 
 
 def measure_shapes(shapes: list[LlamaConfig], batch: int, threads: int, dtype: torch.dtype = torch.float32,
-                   rounds: int = MEASURE_ROUNDS, max_step_s: float | None = None) -> list[float | None]:
-    """Training tokens/s (forward, backward, AdamW step) of each shape, best of `rounds` steps taken
-    round-robin across the shapes. With max_step_s, a shape whose warm-up step took longer (and every
-    larger one after it) is not timed, once MIN_MEASURED are: None."""
-    import torch.nn.functional as F
-
-    from cpuforge.models.llama import Llama
+                   rounds: int = MEASURE_ROUNDS, max_step_s: float | None = None,
+                   optimizer: str = "adamw") -> list[float | None]:
+    """Training tokens/s (forward, backward, the run's optimizer step) of each shape, best of `rounds`
+    steps taken round-robin across the shapes. With max_step_s, a shape whose warm-up step took longer
+    (and every larger one after it) is not timed, once MIN_MEASURED are: None."""
+    from cpuforge.tasks.engine.hardware import training_step_timer
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        g = torch.Generator().manual_seed(0)
-
-        def build(cfg: LlamaConfig):
-            x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
-            model = Llama(cfg)
-            return cfg, model, torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True), x
-
-        def step(run) -> float:
-            cfg, model, optimizer, x = run
-            t0 = time.perf_counter()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-                logits, _ = model(x)
-                loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), x.view(-1))
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return time.perf_counter() - t0
-
         timed = []
         for cfg in shapes:  # warm-up: first-call allocations and kernel selection; built one by one, so a
-            run = build(cfg)  # shape too slow to time stops the ladder before its bigger rungs take memory
-            if step(run) > (max_step_s or math.inf) and len(timed) >= MIN_MEASURED:
-                break
-            timed.append(run)
+            step = training_step_timer(cfg, batch, optimizer)  # shape too slow to time stops the ladder
+            if step(dtype) > (max_step_s or math.inf) and len(timed) >= MIN_MEASURED:  # before its bigger
+                break  # rungs take memory
+            timed.append((cfg, step))
         best = [math.inf] * len(timed)
         for _ in range(rounds):
-            for i, run in enumerate(timed):
-                best[i] = min(best[i], step(run))
-        rates: list[float | None] = [batch * run[0].block_size / s for run, s in zip(timed, best)]
+            for i, (_, step) in enumerate(timed):
+                best[i] = min(best[i], step(dtype))
+        rates: list[float | None] = [batch * cfg.block_size / s for (cfg, _), s in zip(timed, best)]
         return rates + [None] * (len(shapes) - len(timed))
     finally:
         torch.set_num_threads(previous)
 
 
 def throughput(shapes: list[LlamaConfig], batch: int, threads: int, dtype: torch.dtype,
-               cache_dir: Path | None) -> list[float]:
+               cache_dir: Path | None, optimizer: str = "adamw") -> list[float]:
     """Tokens/s of each shape on this machine: measured (cached) where a step is cheap, else extrapolated
     at the FLOP rate of the largest measured shape (bigger shapes usually run at a higher one, so this
     errs towards a smaller model)."""
@@ -141,13 +121,14 @@ def throughput(shapes: list[LlamaConfig], batch: int, threads: int, dtype: torch
 
     cache = cache_dir / CACHE_FILE if cache_dir is not None else None
     known = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
-    prefix = f"{cpu_model()}|{threads}|{batch}|{dtype}|{torch.__version__}"
+    prefix = f"{cpu_model()}|{threads}|{batch}|{dtype}|{optimizer}|{torch.__version__}"
     keys = [f"{prefix}|{json.dumps(s.to_dict(), sort_keys=True)}" for s in shapes]
     missing = [i for i, k in enumerate(keys) if k not in known]
     if missing:
         log.info("model.size=auto: timing training steps of %d candidate shapes on this machine (once; cached in %s)",
                  len(missing), cache or "memory")
-        rates = measure_shapes([shapes[i] for i in missing], batch, threads, dtype, max_step_s=MAX_MEASURED_STEP_S)
+        rates = measure_shapes([shapes[i] for i in missing], batch, threads, dtype, max_step_s=MAX_MEASURED_STEP_S,
+                               optimizer=optimizer)
         for i, rate in zip(missing, rates):
             known[keys[i]] = rate
         if cache is not None:
@@ -218,7 +199,7 @@ def _rates(shapes: list[LlamaConfig], train: Any, cache_dir: Path | None) -> lis
     from cpuforge.tasks.engine.training_run import threads_per_process, world_size
 
     per_process = throughput(shapes, train.batch_size, threads_per_process(train), training_dtype(train.precision),
-                             cache_dir)
+                             cache_dir, train.optimizer_in_use())
     return [rate * world_size(train) for rate in per_process]
 
 

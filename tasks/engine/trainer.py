@@ -36,7 +36,7 @@ from cpuforge.models.llama import Llama, flops_per_token
 from cpuforge.tasks.engine import sharding
 from cpuforge.tasks.engine.data import BatchSampler, bits_per_byte
 from cpuforge.tasks.engine.hardware import peak_rss_mb
-from cpuforge.tasks.engine.muon import MuonAdamW
+from cpuforge.tasks.engine.optimizers import build_optimizer
 
 log = logging.getLogger("cpuforge.trainer")
 
@@ -130,25 +130,7 @@ def lr_at(step: int, s: TrainSettings, horizon: int) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, s: TrainSettings) -> torch.optim.Optimizer:
-    """Weight decay on matrices only (not norms); one parameter per tied pair. With optimizer=muon the
-    blocks' matrices go to Muon and the rest (embedding/LM head, norms) to AdamW. A group's
-    ``lr_ratio`` is its peak learning rate over train.lr: the schedule scales every group alike.
-    AdamW is foreach, not fused: the fused CPU kernel was no faster on a demo step (0.97-1.03x,
-    benchmarks/train_levers.py)."""
-    named = list({id(p): (n, p) for n, p in model.named_parameters() if p.requires_grad}.values())
-    params = [p for _, p in named]
-    no_decay = [p for p in params if p.dim() < 2]
-    if s.optimizer == "muon":
-        hidden = [p for n, p in named if p.dim() == 2 and n.startswith("blocks.")]
-        other = [p for n, p in named if p.dim() >= 2 and not n.startswith("blocks.")]
-        groups = [{"params": hidden, "weight_decay": s.weight_decay, "use_muon": True, "lr": s.muon_lr,
-                   "lr_ratio": s.muon_lr / s.lr},
-                  {"params": other, "weight_decay": s.weight_decay, "lr_ratio": 1.0},
-                  {"params": no_decay, "weight_decay": 0.0, "lr_ratio": 1.0}]
-        return MuonAdamW(groups, lr=s.lr, betas=s.betas)
-    decay = [p for p in params if p.dim() >= 2]
-    groups = [{"params": decay, "weight_decay": s.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, foreach=True)
+    return build_optimizer(model, s.optimizer, s.lr, s.muon_lr, s.weight_decay, s.betas)
 
 
 @torch.no_grad()
