@@ -18,6 +18,11 @@ load, not the recipe. Instead:
 The table prints each arm's step-time ratio, steps, val bits per byte and its change
 against today's recipe. Arms are --set style overrides of the train section on top of the
 demo profile; `today` pins the recipe the demo profile shipped with before this benchmark.
+The `shipped` arm is the demo profile as it ships now, shape included: the recipe of its train
+section and the model that `model.size: auto` picks for --minutes on this machine:
+
+    nice python benchmarks/recipe_ab.py --minutes 5 --arms shipped \
+        --corpus stdlib --corpus '/usr/share/vim/vim90/doc/*.txt'
 """
 
 from __future__ import annotations
@@ -52,10 +57,32 @@ ARMS: dict[str, list[str]] = {
 }
 
 
+# The demo profile as it ships, model shape included: `model.size: auto` picks the shape for --minutes on
+# this machine (tasks/engine/sizing.py), so this arm answers "today's demo against the shipped one".
+SHIPPED = "shipped"
+
+
 def arm_config(arm: str, extra: list[str]):
-    overrides = ["model.size=demo", *(f"train.{o}" for o in TODAY + extra), "train.max_minutes=null",
-                 "train.max_steps=1"]
+    """An arm's config: the demo profile with today's recipe and the 4.0M demo shape, then the arm's
+    overrides (train.* unless they name another section)."""
+    overrides = ["model.size=demo", *(o if o.startswith("model.") else f"train.{o}" for o in TODAY + extra),
+                 "train.max_minutes=null", "train.max_steps=1"]
     return load_config("demo", overrides=overrides)
+
+
+def shipped_overrides(minutes: float, root: Path) -> list[str]:
+    """The shipped demo profile's recipe and the shape its model.size=auto picks for `minutes` here."""
+    from cpuforge.tasks.engine.sizing import resolve_auto_size
+
+    shipped = load_config("demo")
+    cfg, choice = resolve_auto_size(shipped.model_copy(update={"train": shipped.train.model_copy(
+        update={"max_minutes": minutes})}), root)
+    print(f"{SHIPPED}: model.size=auto chose {choice.reason}")
+    recipe = shipped.train.model_dump()
+    train = [f"{k}={recipe[k]}" for k in ("optimizer", "lr", "min_lr", "muon_lr", "warmup_steps", "lr_schedule",
+                                          "cooldown_fraction", "zero_init_residual")]
+    shape = [f"model.{k}={getattr(cfg.model, k)}" for k in ("n_layer", "d_model", "n_head", "n_kv_head", "d_mlp")]
+    return train + shape
 
 
 def prepare_corpus(source: str, root: Path) -> Path:
@@ -80,8 +107,9 @@ def build(cfg, vocab: int) -> tuple[Llama, torch.optim.Optimizer]:
 
 def step_class(extra: list[str]) -> str:
     """Arms whose steps do the same work share one timing: lr, schedule and init change numbers, not work;
-    the optimizer changes the work (Muon's Newton-Schulz)."""
-    return arm_config("", extra).train.optimizer_in_use()
+    the optimizer (Muon's Newton-Schulz) and the model shape change the work."""
+    cfg = arm_config("", extra)
+    return f"{cfg.train.optimizer_in_use()} {cfg.model.model_dump_json()}"
 
 
 def time_steps(arms: dict[str, list[str]], tok: Path, rounds: int, steps: int) -> dict[str, float]:
@@ -113,7 +141,7 @@ def time_steps(arms: dict[str, list[str]], tok: Path, rounds: int, steps: int) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", action="append", help="data.source of a corpus (repeat; default: stdlib)")
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of: {', '.join(ARMS)}")
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of: {', '.join([*ARMS, SHIPPED])}")
     parser.add_argument("--minutes", type=float, default=5.0, help="wall-clock budget the steps stand for")
     parser.add_argument("--base-tok-s", type=float, default=None,
                         help="today's recipe's idle tokens/s (default: its best timed throughput here)")
@@ -130,9 +158,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     root = Path(args.workdir)
     trained = args.arms.split(",")
-    arms = {"today": [], **{a: ARMS[a] for a in trained}}  # today's recipe is the yardstick of the step ratio
     corpora = args.corpus or ["stdlib"]
     toks = {source: prepare_corpus(source, root) for source in corpora}
+    known = {**ARMS, SHIPPED: shipped_overrides(args.minutes, root / "sizing") if SHIPPED in trained else []}
+    arms = {"today": [], **{a: known[a] for a in trained}}  # today's recipe is the yardstick of the step ratio
 
     timing = Path(args.timing) if args.timing else None
     if timing and timing.is_file():
