@@ -304,6 +304,10 @@ class QuantizeConfig(Section):
         0.97, ge=0, le=1, description="...and whose greedy next-token choice agrees with the fp32 ONNX model's on at "
         "least this fraction of the scored tokens.")
     score_tokens: int = Field(16_384, gt=0, description="Val tokens each quantized candidate is scored on.")
+    favour: Literal["balanced", "decode", "prefill"] = Field(
+        "balanced", description="What the fastest candidate is fastest at: 'balanced' ranks by the geometric mean of "
+        "its prefill and decode speed-ups over fp32; 'decode' (a model that mostly generates) or 'prefill' (one that "
+        "mostly reads: scoring, classification) by that one alone. A candidate that decodes slower than fp32 never wins.")
 
 
 class EvalConfig(Section):

@@ -23,7 +23,8 @@ Rule (``choose``, a pure function of those figures):
 2. Decode: a candidate that decodes slower than the fp32 ONNX model is never the winner (at
    this size per-token overhead, not arithmetic, decides decode, and static QDQ can lose 3x).
 3. Speed: of the rest, the highest geometric mean of its prefill and decode speed-ups over
-   fp32. Rounds go on (MIN_ROUNDS..MAX_ROUNDS) until the winner's lead over the next candidate,
+   fp32 (``quantize.favour``: ``decode`` for a model that mostly generates, ``prefill`` for one that
+   mostly scores or embeds, rank by that speed-up alone). Rounds go on (MIN_ROUNDS..MAX_ROUNDS) until the winner's lead over the next candidate,
    and every candidate's decode margin over fp32, exceed the spread of the measurements; a lead
    still within the spread after the last round is a tie, and a tie goes to the simpler
    candidate (the order of SIMPLICITY: dynamic, then the builder's int8 and int4, then static).
@@ -171,16 +172,25 @@ def _simplicity(name: str) -> tuple[int, str]:
     return (SIMPLICITY.index(name) if name in SIMPLICITY else len(SIMPLICITY), name)
 
 
-def speed_score(speeds: dict[str, list[float]], fp32: dict[str, list[float]]) -> float:
-    """Geometric mean of the prefill and decode speed-ups over fp32 (best rounds): both count alike."""
-    return math.sqrt(best(speeds["prefill_b1"]) / best(fp32["prefill_b1"]) * best(speeds["decode"]) / best(fp32["decode"]))
+# quantize.favour: which speed-ups over fp32 the score is made of (best rounds).
+FAVOUR_MEASURES = {"balanced": ("prefill_b1", "decode"), "decode": ("decode",), "prefill": ("prefill_b1",)}
+FAVOUR_WORDS = {"balanced": "the geometric mean of prefill and decode speed-ups", "decode": "decode speed-up",
+                "prefill": "prefill speed-up"}
+
+
+def speed_score(speeds: dict[str, list[float]], fp32: dict[str, list[float]], favour: str = "balanced") -> float:
+    """The speed-up over fp32 that ranks candidates: by default the geometric mean of prefill and decode
+    (both count alike); quantize.favour=decode or prefill ranks by that one alone."""
+    measures = FAVOUR_MEASURES[favour]
+    return math.prod(best(speeds[m]) / best(fp32[m]) for m in measures) ** (1 / len(measures))
 
 
 def choose(quality: dict[str, float], speeds: Samples, fp32_bpb: float, max_increase: float,
-           agreement: dict[str, float] | None = None, min_agreement: float = 0.0) -> Decision:
+           agreement: dict[str, float] | None = None, min_agreement: float = 0.0,
+           favour: str = "balanced") -> Decision:
     """The rule in the module docstring. quality: candidate -> val bits per byte; agreement: candidate ->
     fraction of greedy next-token choices equal to fp32's; speeds: candidate (and "fp32") ->
-    {"prefill_b1": [tok/s per round], "decode": [...]}."""
+    {"prefill_b1": [tok/s per round], "decode": [...]}; favour: what the speed score is made of."""
     limit = fp32_bpb * (1 + max_increase)
     within = f"within {100 * max_increase:g}% of the fp32 bits per byte ({fp32_bpb:.4f} -> at most {limit:.4f})"
     agreement = agreement or {}
@@ -205,15 +215,15 @@ def choose(quality: dict[str, float], speeds: Samples, fp32_bpb: float, max_incr
                   f"({name}, {100 * decode_vs_fp32[name]:+.1f}% decode vs fp32): for generation the fp32 model is faster",
             settled=eligibility_settled, decodes_slower_than_fp32=True,
             margins={"decode_vs_fp32_pct": round(100 * decode_vs_fp32[name], 2)})
-    scores = {n: speed_score(speeds[n], fp32) for n in fast_enough}
+    scores = {n: speed_score(speeds[n], fp32, favour) for n in fast_enough}
     ranked = sorted(fast_enough, key=lambda n: -scores[n])
     winner = ranked[0]
     lead = scores[winner] / scores[ranked[1]] - 1 if len(ranked) > 1 else math.inf
-    noise = max(spread(speeds[winner]["prefill_b1"]), spread(speeds[winner]["decode"]))
+    noise = max(spread(speeds[winner][m]) for m in FAVOUR_MEASURES[favour])
     margins = {"noise_pct": round(100 * noise, 2), "decode_vs_fp32_pct": round(100 * decode_vs_fp32[winner], 2),
                "score": round(scores[winner], 4),
                **({"lead_pct": round(100 * lead, 2)} if math.isfinite(lead) else {})}  # none without a runner-up
-    rule = (f"fastest by the geometric mean of prefill and decode speed-ups over fp32 ({scores[winner]:.2f}x), "
+    rule = (f"fastest by {FAVOUR_WORDS[favour]} over fp32 ({scores[winner]:.2f}x), "
             f"among the candidates {within} that decode at least as fast as fp32")
     if lead > noise:
         margin = f"lead {100 * lead:.1f}% over {ranked[1]} > spread {100 * noise:.1f}%" if len(ranked) > 1 else "the only one"
@@ -282,7 +292,8 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
     agreement = {k: v["token_agreement"] for k, v in results.items() if k != "fp32"}
 
     def decide(samples: Samples) -> Decision:
-        return choose(quality, samples, base["val_bpb"], q.max_bpb_increase, agreement, q.min_token_agreement)
+        return choose(quality, samples, base["val_bpb"], q.max_bpb_increase, agreement, q.min_token_agreement,
+                      q.favour)
 
     def settled(samples: Samples) -> bool:
         done = len(samples["fp32"]["decode"])
