@@ -256,6 +256,9 @@ class PruneConfig(Section):
     n_kv_head: int | None = Field(None, gt=0, description="Explicit target KV heads.")
     d_model: int | None = Field(None, gt=0, description="Explicit target embedding width.")
     d_mlp: int | None = Field(None, gt=0, description="Explicit target MLP width.")
+    width_multiple: int = Field(32, gt=0, description="keep_ratio's d_model and d_mlp are multiples of this: "
+                                "llama.cpp's Q8_0 and ONNX's MatMulNBits quantize rows in blocks of 32, and a GGUF "
+                                "matrix whose rows are not keeps f16. The MLP takes what the budget leaves.")
     calib_batches: int = Field(16, gt=0, description="Train-split batches used to score importance.")
     batch_size: int = Field(8, gt=0, description="Sequences per calibration and validation batch.")
     val_batches: int = Field(8, gt=0, description="Validation batches for bits per byte before and after pruning.")

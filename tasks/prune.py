@@ -38,28 +38,38 @@ from cpuforge.tasks.model_card import made_by, write_model_card
 log = logging.getLogger("cpuforge.prune")
 
 SPEC = stages.PRUNE
-WIDTH_MULTIPLE = 8  # widths stay multiples of 8: friendlier to vectorized kernels
 
 
-def _round_width(value: float, limit: int) -> int:
-    return int(min(limit, max(WIDTH_MULTIPLE, WIDTH_MULTIPLE * round(value / WIDTH_MULTIPLE))))
+def _round_width(value: float, limit: int, multiple: int) -> int:
+    return int(min(limit, max(multiple, multiple * round(value / multiple))))
 
 
-def _shrink_width(cfg: LlamaConfig, budget: int) -> LlamaConfig:
-    """The largest common width factor whose model fits the parameter budget (bisection)."""
+def _shrink_width(cfg: LlamaConfig, budget: int, multiple: int) -> LlamaConfig:
+    """The widest shape that fits the parameter budget, d_model and d_mlp multiples of `multiple`: both
+    shrink by the largest common factor that fits (bisection), then d_mlp takes what the budget has left
+    in steps of `multiple`, up to its own width (on a coarse grid the common factor alone can land far
+    below the budget: halving a 128-wide model's embedding frees a third of its parameters)."""
+
+    def shaped(d_model: int, d_mlp: int) -> LlamaConfig:
+        return replace(cfg, d_model=d_model, d_mlp=d_mlp, head_dim_override=cfg.head_dim)
+
+    def at(factor: float) -> LlamaConfig:
+        return shaped(_round_width(cfg.d_model * factor, cfg.d_model, multiple),
+                      _round_width(cfg.d_mlp * factor, cfg.d_mlp, multiple))
+
     lo, hi = 0.0, 1.0
     for _ in range(40):
         mid = (lo + hi) / 2
-        candidate = replace(cfg, d_model=_round_width(cfg.d_model * mid, cfg.d_model),
-                            d_mlp=_round_width(cfg.d_mlp * mid, cfg.d_mlp), head_dim_override=cfg.head_dim)
-        lo, hi = (mid, hi) if config_param_count(candidate) <= budget else (lo, mid)
-    best = replace(cfg, d_model=_round_width(cfg.d_model * lo, cfg.d_model),
-                   d_mlp=_round_width(cfg.d_mlp * lo, cfg.d_mlp), head_dim_override=cfg.head_dim)
+        lo, hi = (mid, hi) if config_param_count(at(mid)) <= budget else (lo, mid)
+    best = at(lo)
     if config_param_count(best) > budget:
         raise ConfigError(
             f"prune: no width fits {budget:,} parameters (the embedding alone needs "
-            f"{cfg.vocab_size * WIDTH_MULTIPLE:,} at the narrowest width); raise prune.keep_ratio"
+            f"{cfg.vocab_size * multiple:,} at the narrowest width, prune.width_multiple={multiple}); raise "
+            f"prune.keep_ratio or lower prune.width_multiple"
         )
+    while best.d_mlp + multiple <= cfg.d_mlp and config_param_count(shaped(best.d_model, best.d_mlp + multiple)) <= budget:
+        best = shaped(best.d_model, best.d_mlp + multiple)
     return best
 
 
@@ -77,7 +87,7 @@ def target_config(cfg: LlamaConfig, p: PruneConfig) -> LlamaConfig:
         return target
     budget = int(p.keep_ratio * config_param_count(cfg))
     if p.strategy == "width":
-        return _shrink_width(cfg, budget)
+        return _shrink_width(cfg, budget, p.width_multiple)
     if p.strategy == "depth":
         per_layer = (config_param_count(cfg) - config_param_count(replace(cfg, n_layer=1))) / max(1, cfg.n_layer - 1)
         fixed = config_param_count(cfg) - per_layer * cfg.n_layer
@@ -87,7 +97,7 @@ def target_config(cfg: LlamaConfig, p: PruneConfig) -> LlamaConfig:
                               f"is {fixed / config_param_count(cfg):.0%} of the model; use strategy=width")
         return replace(cfg, n_layer=min(cfg.n_layer, layers), head_dim_override=cfg.head_dim)
     layers = max(1, math.ceil(cfg.n_layer * math.sqrt(p.keep_ratio)))
-    return _shrink_width(replace(cfg, n_layer=layers, head_dim_override=cfg.head_dim), budget)
+    return _shrink_width(replace(cfg, n_layer=layers, head_dim_override=cfg.head_dim), budget, p.width_multiple)
 
 
 def calibration_batches(train, p: PruneConfig, block_size: int) -> list[torch.Tensor]:

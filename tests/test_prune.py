@@ -66,6 +66,20 @@ def test_keep_ratio_halves_the_parameters(strategy):
         assert target.n_layer < cfg.n_layer and target.d_model == cfg.d_model
 
 
+def test_pruned_widths_stay_in_quantization_blocks_and_near_the_budget():
+    """A 1.26M model (what model.size=auto picks for the demo here) halved with widths of 8 gave 72/208: llama.cpp's
+    Q8_0 then kept 13 of its matrices in f16. Multiples of 32 keep every row in whole blocks."""
+    from cpuforge.models.config import ladder_shape
+
+    cfg = LlamaConfig(vocab_size=4096, **ladder_shape(128, 4))
+    for strategy in ("width", "width_then_depth"):
+        target = target_config(cfg, load_config("demo", overrides=[f"prune.strategy={strategy}"]).prune)
+        assert target.d_model % 32 == 0 and target.d_mlp % 32 == 0 and target.d_mlp <= cfg.d_mlp
+        assert 0.4 < config_param_count(target) / config_param_count(cfg) <= 0.5
+    finer = target_config(cfg, load_config("demo", overrides=["prune.width_multiple=8"]).prune)
+    assert finer.d_model == 72 and finer.d_mlp % 8 == 0  # a finer grid keeps a wider embedding
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["prune.n_head=5"], "n_kv_head=2 does not divide n_head=5"),
     (["prune.n_head=8", "prune.n_kv_head=1"], "needs 8 query heads per KV head; the model has 3"),
