@@ -23,9 +23,10 @@ def machine(monkeypatch):
     """A machine that trains at `flop_rate` FLOP/s whatever the shape; counts the measurements."""
     state = {"flop_rate": 2e10, "calls": 0, "optimizers": []}
 
-    def fake(shapes, batch, threads, dtype=None, rounds=3, max_step_s=None, optimizer="adamw"):
+    def fake(shapes, batch, threads, dtype=None, rounds=3, max_step_s=None, optimizer="adamw",
+             activation_checkpointing=False):
         state["calls"] += 1
-        state["optimizers"].append(optimizer)
+        state["optimizers"].append(optimizer + (" recomputing" if activation_checkpointing else ""))
         return [state["flop_rate"] / flops_per_token(s) for s in shapes]
 
     monkeypatch.setattr(sizing, "measure_shapes", fake)
@@ -59,7 +60,7 @@ def test_a_bigger_budget_or_a_faster_machine_gets_a_bigger_model(tmp_path, machi
     assert config_param_count(chosen(tmp_path / "d", machine, "train.max_minutes=5")) > short
 
 
-def test_the_shapes_are_timed_with_the_optimizer_the_run_will_use(tmp_path, machine):
+def test_the_shapes_are_timed_as_the_run_will_step(tmp_path, machine):
     """Muon steps cost more than AdamW's: sizing with AdamW's speed would buy a Muon run too big a model."""
     chosen(tmp_path, machine, "train.max_minutes=5")
     assert machine["optimizers"] == ["muon"]  # optimizer=auto: Muon in one process
@@ -67,6 +68,8 @@ def test_the_shapes_are_timed_with_the_optimizer_the_run_will_use(tmp_path, mach
     assert machine["optimizers"] == ["muon", "adamw"]  # measured anew, not read from Muon's cache
     chosen(tmp_path, machine, "train.max_minutes=5", "train.optimizer=adamw")
     assert machine["optimizers"] == ["muon", "adamw"]
+    chosen(tmp_path, machine, "train.max_minutes=5", "train.activation_checkpointing=true")  # recomputing costs too
+    assert machine["optimizers"] == ["muon", "adamw", "muon recomputing"]
 
 
 def test_the_choice_lands_near_the_target_tokens_per_parameter(tmp_path, machine):

@@ -324,7 +324,8 @@ def test_auto_precision_is_a_measured_ab_cached_per_shape(tmp_path, monkeypatch)
 
     timed = []
 
-    def fake_steps(model_cfg, batch, threads, dtypes, teacher_cfg=None, optimizer="adamw"):
+    def fake_steps(model_cfg, batch, threads, dtypes, teacher_cfg=None, optimizer="adamw",
+                   activation_checkpointing=False):
         timed.append(dtypes)
         return {torch.float32: 1000.0, torch.bfloat16: 1800.0}
 
@@ -359,10 +360,12 @@ def test_the_step_timer_runs_the_optimizer_the_run_uses():
     from cpuforge.tasks.engine.hardware import training_step_timer
     from cpuforge.tasks.engine.muon import MuonAdamW
 
-    step = training_step_timer(SMALL, 2, "muon")
+    step = training_step_timer(SMALL, 2, "muon", activation_checkpointing=True)
     assert step() > 0 and step(torch.bfloat16) > 0
-    optimizers = [c.cell_contents for c in step.__closure__ if isinstance(c.cell_contents, torch.optim.Optimizer)]
+    held = [c.cell_contents for c in step.__closure__]
+    optimizers = [h for h in held if isinstance(h, torch.optim.Optimizer)]
     assert len(optimizers) == 1 and isinstance(optimizers[0], MuonAdamW)
+    assert [h.activation_checkpointing for h in held if isinstance(h, torch.nn.Module)] == [True]
 
 
 def test_recover_mfu_counts_the_teachers_forward_passes(shards, tmp_path):

@@ -78,11 +78,12 @@ BF16_MIN_GAIN = 1.05
 AB_ROUNDS = 3  # timed steps per precision, alternating, after one warm-up step of each
 
 
-def training_step_timer(model_cfg, batch: int, optimizer: str = "adamw", teacher_cfg=None):
-    """A function dtype -> seconds of one real training step of this model shape: forward (after the
-    teacher's, when there is one), cross-entropy, backward and the run's optimizer (AdamW, or Muon for
-    the blocks' matrices), bf16 meaning autocast as the trainer runs it. Call it under the thread count
-    being measured."""
+def training_step_timer(model_cfg, batch: int, optimizer: str = "adamw", teacher_cfg=None,
+                        activation_checkpointing: bool = False):
+    """A function dtype -> seconds of one real training step of this model shape as the run will take it:
+    forward (after the teacher's, when there is one), cross-entropy, backward (recomputing activations
+    under activation checkpointing) and the run's optimizer (AdamW, or Muon for the blocks' matrices),
+    bf16 meaning autocast as the trainer runs it. Call it under the thread count being measured."""
     import torch.nn.functional as F
 
     from cpuforge.models.llama import Llama
@@ -92,6 +93,7 @@ def training_step_timer(model_cfg, batch: int, optimizer: str = "adamw", teacher
     x = torch.randint(0, model_cfg.vocab_size, (batch, model_cfg.block_size), generator=g)
     y = torch.randint(0, model_cfg.vocab_size, (batch, model_cfg.block_size), generator=g)
     model = Llama(model_cfg)
+    model.activation_checkpointing = activation_checkpointing
     teacher = Llama(teacher_cfg).eval() if teacher_cfg is not None else None
     opt = build_optimizer(model, optimizer, lr=1e-5)
 
@@ -112,13 +114,14 @@ def training_step_timer(model_cfg, batch: int, optimizer: str = "adamw", teacher
 
 
 def time_training_steps(model_cfg, batch: int, threads: int, dtypes: tuple[torch.dtype, ...],
-                        teacher_cfg=None, rounds: int = AB_ROUNDS, optimizer: str = "adamw") -> dict[torch.dtype, float]:
+                        teacher_cfg=None, rounds: int = AB_ROUNDS, optimizer: str = "adamw",
+                        activation_checkpointing: bool = False) -> dict[torch.dtype, float]:
     """Tokens/s of a real training step (training_step_timer) of this model shape in each dtype, best of
     `rounds` steps taken in alternation so that machine noise hits every dtype alike."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        step = training_step_timer(model_cfg, batch, optimizer, teacher_cfg)
+        step = training_step_timer(model_cfg, batch, optimizer, teacher_cfg, activation_checkpointing)
         for dtype in dtypes:  # warm-up: first-call allocations and kernel selection
             step(dtype)
         best = {dtype: float("inf") for dtype in dtypes}
@@ -131,7 +134,8 @@ def time_training_steps(model_cfg, batch: int, threads: int, dtypes: tuple[torch
 
 
 def choose_precision(requested: str, model_cfg=None, batch: int = 0, threads: int = 1,
-                     cache_dir: Path | None = None, teacher_cfg=None, optimizer: str = "adamw") -> dict:
+                     cache_dir: Path | None = None, teacher_cfg=None, optimizer: str = "adamw",
+                     activation_checkpointing: bool = False) -> dict:
     """The training dtype, and why: {"dtype", "reason", "fp32_tok_s", "bf16_tok_s"} (the figures are
     None when not measured).
 
@@ -153,7 +157,8 @@ def choose_precision(requested: str, model_cfg=None, batch: int = 0, threads: in
         raise ValueError("train.precision=auto measures a training step: give the model config and the batch size")
     shape = json.dumps(model_cfg.to_dict(), sort_keys=True)
     teacher = json.dumps(teacher_cfg.to_dict(), sort_keys=True) if teacher_cfg is not None else "-"
-    key = f"{cpu_model()}|{threads}|{shape}|{teacher}|{batch}|{optimizer}|{torch.__version__}"
+    recompute = "|recompute" if activation_checkpointing else ""
+    key = f"{cpu_model()}|{threads}|{shape}|{teacher}|{batch}|{optimizer}{recompute}|{torch.__version__}"
     cache = cache_dir / "precision.json" if cache_dir is not None else None
     known = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
     if key in known:
@@ -161,14 +166,14 @@ def choose_precision(requested: str, model_cfg=None, batch: int = 0, threads: in
         log.info("precision %s (cached A/B: %s)", decision["dtype"], decision["reason"])
         return decision
     if not native:
-        fp32 = time_training_steps(model_cfg, batch, threads, (torch.float32,), teacher_cfg,
-                                   optimizer=optimizer)[torch.float32]
+        fp32 = time_training_steps(model_cfg, batch, threads, (torch.float32,), teacher_cfg, optimizer=optimizer,
+                                   activation_checkpointing=activation_checkpointing)[torch.float32]
         decision = {"dtype": "float32", "fp32_tok_s": round(fp32, 1), "bf16_tok_s": None,
                     "reason": "no native bf16 on this CPU (no avx512_bf16/amx_bf16): bf16 not timed, it is emulated "
                               "and many times slower"}
     else:
         rates = time_training_steps(model_cfg, batch, threads, (torch.float32, torch.bfloat16), teacher_cfg,
-                                    optimizer=optimizer)
+                                    optimizer=optimizer, activation_checkpointing=activation_checkpointing)
         fp32, bf16 = rates[torch.float32], rates[torch.bfloat16]
         faster = bf16 >= BF16_MIN_GAIN * fp32
         decision = {"dtype": "bfloat16" if faster else "float32", "fp32_tok_s": round(fp32, 1),

@@ -2,7 +2,7 @@
 
 A wall-clock budget buys a number of tokens that depends on the shape (a smaller model steps faster),
 so the choice needs this machine's training speed per shape. It is measured once per (CPU, threads,
-batch, context, vocabulary, precision, optimizer, torch version): a few real training steps of each rung of
+batch, context, vocabulary, precision, optimizer, activation checkpointing, torch version): a few real training steps of each rung of
 models/config.py AUTO_LADDER, taken in alternation (round-robin, best of N) so that load from other
 processes hits every shape alike, and cached in <workdir>/cache/size_throughput.json. The cache keeps
 the first measurement: repeated runs (and `cpuforge plan`) choose the same shape and hit the stage cache.
@@ -87,9 +87,9 @@ def candidate_shapes(base: dict[str, Any], fixed: dict[str, Any], vocab_size: in
 
 def measure_shapes(shapes: list[LlamaConfig], batch: int, threads: int, dtype: torch.dtype = torch.float32,
                    rounds: int = MEASURE_ROUNDS, max_step_s: float | None = None,
-                   optimizer: str = "adamw") -> list[float | None]:
-    """Training tokens/s (forward, backward, the run's optimizer step) of each shape, best of `rounds`
-    steps taken round-robin across the shapes. With max_step_s, a shape whose warm-up step took longer
+                   optimizer: str = "adamw", activation_checkpointing: bool = False) -> list[float | None]:
+    """Training tokens/s (hardware.training_step_timer: the step as the run takes it) of each shape, best
+    of `rounds` steps taken round-robin across the shapes. With max_step_s, a shape whose warm-up step took longer
     (and every larger one after it) is not timed, once MIN_MEASURED are: None."""
     from cpuforge.tasks.engine.hardware import training_step_timer
 
@@ -97,10 +97,12 @@ def measure_shapes(shapes: list[LlamaConfig], batch: int, threads: int, dtype: t
     torch.set_num_threads(threads)
     try:
         timed = []
-        for cfg in shapes:  # warm-up: first-call allocations and kernel selection; built one by one, so a
-            step = training_step_timer(cfg, batch, optimizer)  # shape too slow to time stops the ladder
-            if step(dtype) > (max_step_s or math.inf) and len(timed) >= MIN_MEASURED:  # before its bigger
-                break  # rungs take memory
+        # Warm-up: first-call allocations and kernel selection. Shapes are built one by one, so a shape
+        # too slow to time stops the ladder before its bigger rungs take memory.
+        for cfg in shapes:
+            step = training_step_timer(cfg, batch, optimizer, activation_checkpointing=activation_checkpointing)
+            if step(dtype) > (max_step_s or math.inf) and len(timed) >= MIN_MEASURED:
+                break
             timed.append((cfg, step))
         best = [math.inf] * len(timed)
         for _ in range(rounds):
@@ -113,7 +115,7 @@ def measure_shapes(shapes: list[LlamaConfig], batch: int, threads: int, dtype: t
 
 
 def throughput(shapes: list[LlamaConfig], batch: int, threads: int, dtype: torch.dtype,
-               cache_dir: Path | None, optimizer: str = "adamw") -> list[float]:
+               cache_dir: Path | None, optimizer: str = "adamw", activation_checkpointing: bool = False) -> list[float]:
     """Tokens/s of each shape on this machine: measured (cached) where a step is cheap, else extrapolated
     at the FLOP rate of the largest measured shape (bigger shapes usually run at a higher one, so this
     errs towards a smaller model)."""
@@ -121,14 +123,15 @@ def throughput(shapes: list[LlamaConfig], batch: int, threads: int, dtype: torch
 
     cache = cache_dir / CACHE_FILE if cache_dir is not None else None
     known = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
-    prefix = f"{cpu_model()}|{threads}|{batch}|{dtype}|{optimizer}|{torch.__version__}"
+    recompute = "|recompute" if activation_checkpointing else ""
+    prefix = f"{cpu_model()}|{threads}|{batch}|{dtype}|{optimizer}{recompute}|{torch.__version__}"
     keys = [f"{prefix}|{json.dumps(s.to_dict(), sort_keys=True)}" for s in shapes]
     missing = [i for i, k in enumerate(keys) if k not in known]
     if missing:
         log.info("model.size=auto: timing training steps of %d candidate shapes on this machine (once; cached in %s)",
                  len(missing), cache or "memory")
         rates = measure_shapes([shapes[i] for i in missing], batch, threads, dtype, max_step_s=MAX_MEASURED_STEP_S,
-                               optimizer=optimizer)
+                               optimizer=optimizer, activation_checkpointing=activation_checkpointing)
         for i, rate in zip(missing, rates):
             known[keys[i]] = rate
         if cache is not None:
@@ -199,7 +202,7 @@ def _rates(shapes: list[LlamaConfig], train: Any, cache_dir: Path | None) -> lis
     from cpuforge.tasks.engine.training_run import threads_per_process, world_size
 
     per_process = throughput(shapes, train.batch_size, threads_per_process(train), training_dtype(train.precision),
-                             cache_dir, train.optimizer_in_use())
+                             cache_dir, train.optimizer_in_use(), train.activation_checkpointing)
     return [rate * world_size(train) for rate in per_process]
 
 

@@ -131,7 +131,7 @@ def training_spec(kind: Literal["pretrain", "recover"], train_cfg: TrainConfig, 
         model_cfg, teacher_cfg = model, None
     optimizer = "adamw" if kind == "recover" else train_cfg.optimizer_in_use()  # as settings()/recover_settings()
     precision = choose_precision(train_cfg.precision, model_cfg, train_cfg.batch_size, threads, cache_dir, teacher_cfg,
-                                 optimizer)
+                                 optimizer, train_cfg.activation_checkpointing)
     dtype = precision["dtype"]
     return TrainingSpec(
         kind=kind, train=train_cfg, recover=recover, model=model if kind == "pretrain" else None,
