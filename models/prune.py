@@ -107,6 +107,9 @@ def check_target(cfg: LlamaConfig, target: LlamaConfig) -> None:
     for name in ("n_layer", "n_kv_head", "d_model", "d_mlp"):
         if getattr(target, name) > getattr(cfg, name):
             problems.append(f"{name}={getattr(target, name)} is more than the model's {getattr(cfg, name)}")
+    if target.d_model % target.n_head:  # transformers' LlamaConfig refuses it, whatever head_dim is
+        problems.append(f"d_model={target.d_model} is not a multiple of n_head={target.n_head}, which transformers "
+                        f"requires of a Llama")
     if target.n_head % target.n_kv_head:
         problems.append(f"n_head={target.n_head} is not a multiple of n_kv_head={target.n_kv_head}")
     elif q_keep > group:

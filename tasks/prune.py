@@ -53,8 +53,11 @@ def _shrink_width(cfg: LlamaConfig, budget: int, multiple: int) -> LlamaConfig:
     def shaped(d_model: int, d_mlp: int) -> LlamaConfig:
         return replace(cfg, d_model=d_model, d_mlp=d_mlp, head_dim_override=cfg.head_dim)
 
+    # transformers' LlamaConfig refuses a hidden size that its query heads do not divide, whatever head_dim is
+    model_multiple = math.lcm(multiple, cfg.n_head)
+
     def at(factor: float) -> LlamaConfig:
-        return shaped(_round_width(cfg.d_model * factor, cfg.d_model, multiple),
+        return shaped(_round_width(cfg.d_model * factor, cfg.d_model, model_multiple),
                       _round_width(cfg.d_mlp * factor, cfg.d_mlp, multiple))
 
     lo, hi = 0.0, 1.0
@@ -65,7 +68,7 @@ def _shrink_width(cfg: LlamaConfig, budget: int, multiple: int) -> LlamaConfig:
     if config_param_count(best) > budget:
         raise ConfigError(
             f"prune: no width fits {budget:,} parameters (the embedding alone needs "
-            f"{cfg.vocab_size * multiple:,} at the narrowest width, prune.width_multiple={multiple}); raise "
+            f"{cfg.vocab_size * model_multiple:,} at the narrowest width, prune.width_multiple={multiple}); raise "
             f"prune.keep_ratio or lower prune.width_multiple"
         )
     while best.d_mlp + multiple <= cfg.d_mlp and config_param_count(shaped(best.d_model, best.d_mlp + multiple)) <= budget:

@@ -53,7 +53,7 @@ import numpy as np
 import onnx
 
 from cpuforge.models.fileio import atomic_write_json, atomic_write_text
-from cpuforge.models.genai_build import build_decoder
+from cpuforge.models.genai_build import GenaiBuildError, build_decoder
 from cpuforge.models.onnx_export import (
     decoder_feeds,
     read_metadata,
@@ -272,10 +272,19 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
     if hf_folder is None:  # the builder needs the transformers folder the graph came from
         methods = [m for m in methods if m not in GENAI]
     report(0.05, {"phase": "quantizing", "fp32 val bits per byte": results["fp32"]["val_bpb"]}, force=True)
+    skipped: dict[str, str] = {}
     for i, method in enumerate(methods):
         target = candidates / f"{method}.onnx"
         t0 = time.perf_counter()
-        quantize_one(method, prepared, target, lambda: _calibration_reader(shards, q, fp32.cfg), hf_folder)
+        try:
+            quantize_one(method, prepared, target, lambda: _calibration_reader(shards, q, fp32.cfg), hf_folder)
+        except GenaiBuildError as exc:
+            # One family's tool refusing this model is not a reason to lose the others' candidates.
+            if len(skipped) + 1 == len(methods):
+                raise
+            skipped[method] = str(exc).strip().splitlines()[-1].strip()[:300]
+            log.warning("%s skipped: the model builder failed (%s)", method, skipped[method])
+            continue
         lms[method] = load_language_model(target)
         score, greedy = score_and_greedy(lms[method], val_tokens, byte_lengths)
         results[method] = {"file_bytes": lms[method].file_bytes, "val_bpb": score.val_bpb,
@@ -334,7 +343,7 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
         for key in ("val_bpb", "token_agreement", "file_bytes", "prefill_tok_s", "decode_tok_s"):
             metrics[f"{name}/{key}"] = r[key]
     report = {"kept": kept, "kept_is": describe(kept), "rule": why, "rounds": rounds, "settled": decision.settled,
-              "int8_dot_product": int8_dot_product(), "results": results}
+              "int8_dot_product": int8_dot_product(), "results": results, "skipped": skipped}
     atomic_write_json(out_dir / "candidates.json", report)
     atomic_write_text(out_dir / "quantize_report.md", _markdown(report))
     log.info("kept %s: %.2f MB (%.1fx smaller than fp32 ONNX), val bpb %.4f (%+.2f%%), %.2fx the fp32 prefill and "
@@ -345,7 +354,8 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
                                                "candidates": "candidates", "report": "quantize_report.md"},
                        artifacts=["model.int8.onnx", *layout, "candidates.json", "quantize_report.md"],
                        info={"kept": kept, "kept_is": describe(kept), "rule": why,
-                             "int8_dot_product": report["int8_dot_product"]})
+                             "int8_dot_product": report["int8_dot_product"],
+                             **({"skipped_candidates": skipped} if skipped else {})})
 
 
 def _markdown(report: dict) -> str:
@@ -358,4 +368,5 @@ def _markdown(report: dict) -> str:
         lines.append(f"| {name} | {r['file_bytes'] / 1e6:.2f} | {r['val_bpb']:.4f} | {r['token_agreement']:.4f} | "
                      f"{r['prefill_tok_s']:,.0f} | "
                      f"{r['decode_tok_s']:,.0f} |")
+    lines += [f"\nnot a candidate: **{name}**, {why}" for name, why in report.get("skipped", {}).items()]
     return "\n".join(lines) + "\n"

@@ -268,6 +268,27 @@ def test_quantize_reruns_over_an_interrupted_attempt(exported, tokenized, traine
     assert result.metrics["rule_rounds"] >= 3 and "dynamic-qint8/decode_tok_s" in result.metrics
 
 
+def test_a_model_the_builder_refuses_keeps_the_other_candidates(exported, tokenized, trained, tmp_path, monkeypatch):
+    """GenAI's model builder refused a pruned model that transformers could not load, and the whole run failed."""
+    import cpuforge.tasks.quantize as quantize
+    from cpuforge.models.genai_build import GenaiBuildError
+
+    def refuse(hf_folder, *args, **kwargs):
+        raise GenaiBuildError(f"onnxruntime_genai's builder failed on {hf_folder}:\nTraceback ...\n"
+                              "    ValueError: The hidden size (112) is not a multiple of the number of attention heads (3).")
+
+    monkeypatch.setattr(quantize, "build_decoder", refuse)
+    cfg = load_config("tiny", overrides=["quantize.method=best", "quantize.weight_type=qint8"])
+    result = build_stage("quantize", cfg, tmp_path, tokenize=tokenized, recover=trained, export=exported[0])
+    assert result.info["kept"] in ("dynamic-qint8", "static-qdq")
+    assert set(result.info["skipped_candidates"]) == set(quantize.GENAI)
+    assert "hidden size (112)" in (tmp_path / "quantize_report.md").read_text()
+    only_genai = load_config("tiny", overrides=["quantize.method=genai"])  # nothing left to keep: the error stands
+    with pytest.raises(GenaiBuildError, match="hidden size"):
+        build_stage("quantize", only_genai, tmp_path / "genai", tokenize=tokenized, recover=trained,
+                    export=exported[0])
+
+
 def test_scores_agree_across_formats_and_match_a_direct_computation(trained, exported, tokenized):
     torch_lm = load_language_model(Path(trained.output_dir))  # a stage folder resolves to its model/
     onnx_lm = load_language_model(exported[0].path("onnx"))

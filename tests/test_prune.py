@@ -83,6 +83,25 @@ def test_pruned_widths_stay_on_their_grid_and_near_the_budget():
     assert (finer.d_model, finer.d_mlp) == (72, 256)  # 72/208 before the MLP took the rest: 46% kept, not 50%
 
 
+def test_pruned_shapes_are_llamas_that_transformers_accepts():
+    """What model.size=auto picks for 5 minutes on a quiet 2-core machine (4 x 192, 3 heads of 64) halved to a
+    width of 112 once: transformers refused it (3 heads do not divide 112), and so did GenAI's model builder."""
+    from transformers import LlamaConfig as HFLlamaConfig
+
+    from cpuforge.models.config import ladder_shape
+    from cpuforge.models.hf_format import hf_config
+
+    cfg = LlamaConfig(vocab_size=4096, **ladder_shape(192, 4))
+    for multiple in (8, 32):
+        for strategy in ("width", "width_then_depth"):
+            target = target_config(cfg, load_config("demo", overrides=[
+                f"prune.strategy={strategy}", f"prune.width_multiple={multiple}"]).prune)
+            assert target.d_model % target.n_head == 0 and target.d_model % multiple == 0
+            assert HFLlamaConfig(**hf_config(target)).hidden_size == target.d_model
+    with pytest.raises(ConfigError, match="d_model=100 is not a multiple of n_head=3"):
+        target_config(cfg, load_config("demo", overrides=["prune.d_model=100"]).prune)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["prune.n_head=5"], "n_kv_head=2 does not divide n_head=5"),
     (["prune.n_head=8", "prune.n_kv_head=1"], "needs 8 query heads per KV head; the model has 3"),
