@@ -103,8 +103,9 @@ class OnnxDecoder:
 
     def forward(self, ids: np.ndarray, past: list[np.ndarray] | None = None, attention_mask: np.ndarray | None = None,
                 position_ids: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Logits (B, T, vocab) and the present keys/values, from one plain session.run. A padded batch passes its mask (0 at padding, past + T wide) and each row's
-        positions; without them every slot is a real token."""
+        """Logits (B, T, vocab) and the present keys/values, from one plain session.run. A padded batch
+        passes its mask (0 at padding, past + T wide) and each row's positions; without them every slot
+        is a real token."""
         if self.shared_kv and (past is not None or (attention_mask is not None and not np.all(attention_mask))):
             raise ValueError("this graph (ONNX Runtime GenAI's builder) keeps its KV cache in a shared buffer and "
                              "reads positions from a right-padded mask: continue with prefill/step, not a past")

@@ -273,15 +273,17 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
         methods = [m for m in methods if m not in GENAI]
     report(0.05, {"phase": "quantizing", "fp32 val bits per byte": results["fp32"]["val_bpb"]}, force=True)
     skipped: dict[str, str] = {}
+    refused: GenaiBuildError | None = None  # the builder refuses a model (its config), not one precision
     for i, method in enumerate(methods):
         target = candidates / f"{method}.onnx"
         t0 = time.perf_counter()
         try:
+            if method in GENAI and refused is not None:
+                raise refused
             quantize_one(method, prepared, target, lambda: _calibration_reader(shards, q, fp32.cfg), hf_folder)
         except GenaiBuildError as exc:
             # One family's tool refusing this model is not a reason to lose the others' candidates.
-            if len(skipped) + 1 == len(methods):
-                raise
+            refused = exc
             skipped[method] = str(exc).strip().splitlines()[-1].strip()[:300]
             log.warning("%s skipped: the model builder failed (%s)", method, skipped[method])
             continue
@@ -295,6 +297,8 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
         report(0.05 + 0.45 * (i + 1) / len(methods),
                {"phase": "quantizing", **{f"{name} val bits per byte": r["val_bpb"] for name, r in results.items()}})
     prepared.unlink()
+    if refused is not None and len(lms) == 1:  # only the builder's candidates were asked for
+        raise refused
 
     base = results["fp32"]
     quality = {k: v["val_bpb"] for k, v in results.items() if k != "fp32"}

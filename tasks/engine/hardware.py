@@ -113,6 +113,11 @@ def training_step_timer(model_cfg, batch: int, optimizer: str = "adamw", teacher
     return step
 
 
+def step_signature(optimizer: str, activation_checkpointing: bool) -> str:
+    """What, besides the shape, decides a timed step's cost: a measurement cache's key part."""
+    return optimizer + ("|recompute" if activation_checkpointing else "")
+
+
 def time_training_steps(model_cfg, batch: int, threads: int, dtypes: tuple[torch.dtype, ...],
                         teacher_cfg=None, rounds: int = AB_ROUNDS, optimizer: str = "adamw",
                         activation_checkpointing: bool = False) -> dict[torch.dtype, float]:
@@ -157,8 +162,8 @@ def choose_precision(requested: str, model_cfg=None, batch: int = 0, threads: in
         raise ValueError("train.precision=auto measures a training step: give the model config and the batch size")
     shape = json.dumps(model_cfg.to_dict(), sort_keys=True)
     teacher = json.dumps(teacher_cfg.to_dict(), sort_keys=True) if teacher_cfg is not None else "-"
-    recompute = "|recompute" if activation_checkpointing else ""
-    key = f"{cpu_model()}|{threads}|{shape}|{teacher}|{batch}|{optimizer}{recompute}|{torch.__version__}"
+    step = step_signature(optimizer, activation_checkpointing)
+    key = f"{cpu_model()}|{threads}|{shape}|{teacher}|{batch}|{step}|{torch.__version__}"
     cache = cache_dir / "precision.json" if cache_dir is not None else None
     known = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
     if key in known:

@@ -119,12 +119,12 @@ def throughput(shapes: list[LlamaConfig], batch: int, threads: int, dtype: torch
     """Tokens/s of each shape on this machine: measured (cached) where a step is cheap, else extrapolated
     at the FLOP rate of the largest measured shape (bigger shapes usually run at a higher one, so this
     errs towards a smaller model)."""
-    from cpuforge.tasks.engine.hardware import cpu_model
+    from cpuforge.tasks.engine.hardware import cpu_model, step_signature
 
     cache = cache_dir / CACHE_FILE if cache_dir is not None else None
     known = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
-    recompute = "|recompute" if activation_checkpointing else ""
-    prefix = f"{cpu_model()}|{threads}|{batch}|{dtype}|{optimizer}{recompute}|{torch.__version__}"
+    step = step_signature(optimizer, activation_checkpointing)
+    prefix = f"{cpu_model()}|{threads}|{batch}|{dtype}|{step}|{torch.__version__}"
     keys = [f"{prefix}|{json.dumps(s.to_dict(), sort_keys=True)}" for s in shapes]
     missing = [i for i, k in enumerate(keys) if k not in known]
     if missing:

@@ -96,11 +96,14 @@ def settings(t: TrainConfig, dtype: torch.dtype, peak_flops: float) -> TrainSett
     )
 
 
+RECOVER_OPTIMIZER = "adamw"
+
+
 def recover_settings(t: TrainConfig, r: RecoverConfig, dtype: torch.dtype, peak_flops: float) -> TrainSettings:
     """Pretraining's engine settings with recovery's budget and learning rate. Recovery keeps AdamW with
     cosine decay whatever pretraining used: train.optimizer/muon_lr/lr_schedule were tuned for training
     from scratch, not for distilling into pruned weights at recover.lr."""
-    return replace(settings(t, dtype, peak_flops), lr=r.lr, min_lr=r.lr / 10, optimizer="adamw",
+    return replace(settings(t, dtype, peak_flops), lr=r.lr, min_lr=r.lr / 10, optimizer=RECOVER_OPTIMIZER,
                    lr_schedule="cosine",
                    warmup_steps=min(t.warmup_steps, 10), max_tokens=r.max_tokens, max_steps=r.max_steps,
                    max_minutes=r.max_minutes,
@@ -129,7 +132,7 @@ def training_spec(kind: Literal["pretrain", "recover"], train_cfg: TrainConfig, 
         model_cfg, teacher_cfg = read_config(Path(model_dirs["student_dir"])), read_config(Path(model_dirs["teacher_dir"]))
     else:
         model_cfg, teacher_cfg = model, None
-    optimizer = "adamw" if kind == "recover" else train_cfg.optimizer_in_use()  # as settings()/recover_settings()
+    optimizer = RECOVER_OPTIMIZER if kind == "recover" else train_cfg.optimizer_in_use()
     precision = choose_precision(train_cfg.precision, model_cfg, train_cfg.batch_size, threads, cache_dir, teacher_cfg,
                                  optimizer, train_cfg.activation_checkpointing)
     dtype = precision["dtype"]
