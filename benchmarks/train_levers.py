@@ -1,7 +1,7 @@
 """What each training-step lever is worth: variants of cpuforge's step timed side by side in one process.
 
     python benchmarks/train_levers.py [--profile demo] [--rounds 8] [--threads 2] [--clock wall|cpu]
-                                      [--compile] [--batches 4,16]
+                                      [--compile] [--batches 4,16] [--precision auto|fp32|bf16]
 
 Every variant trains the same model (same seed, dimensions, batch, loss) and they are timed in
 alternation, one optimizer step per turn, so machine noise hits them alike; other load can only
@@ -9,13 +9,13 @@ slow a step, so each variant's best step is its figure and the ratios are to "be
 it was: q, k and v as separate matmuls, q and k rotated one at a time). All use foreach AdamW,
 as tasks/engine/trainer.make_optimizer does, unless named otherwise. Variants:
 
-    before          the reference attention (kept here as it was)
+    before          the reference attention (kept here as it was), the loss over the whole batch's logits
     fused AdamW     before, with torch.optim.AdamW(fused=True)
-    fused QKV+rope  the model as it is (models/llama.py): q, k, v as one matmul over the concatenated
-                    weights, q and k rotated together
+    fused QKV+rope  q, k, v as one matmul over the concatenated weights, q and k rotated together
+                    (models/llama.py's attention), the loss still over the whole batch's logits
     + gate/up       and gate and up as one matmul too
-    + chunked CE    the model as it is, the LM head and cross-entropy over 4 slices of the batch
-                    (never all logits at once)
+    + chunked CE    the model as it is: the loss through forward(targets=...), the LM head and
+                    cross-entropy over LOSS_CHUNKS slices of the tokens (never all logits at once)
     + compile       (--compile) the model as it is under torch.compile; prints the compile time and
                     how many minutes of training it takes to earn it back
 
@@ -23,7 +23,9 @@ as tasks/engine/trainer.make_optimizer does, unless named otherwise. Variants:
 --clock cpu times each step by this process's CPU time instead of the wall clock: on a machine
 other processes keep busy it counts the work a variant does, not the time it waited for a core.
 Use it with --threads 1 (with more, threads spinning at a barrier count as work).
-Precision is fp32 (what the pipeline picks on a CPU without native bf16).
+--precision auto (the default) times the steps in the precision train.precision=auto picks on this CPU
+(tasks/engine/hardware.choose_precision, measured): bf16 means autocast, as the trainer runs it, with
+the cross-entropy in fp32.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import Llama, apply_rope
 from cpuforge.tasks.config import load_config
-from cpuforge.tasks.engine.hardware import available_cores
+from cpuforge.tasks.engine.hardware import available_cores, choose_precision
 
 
 def attention_before(self, x, cos, sin, cache=None, mask=None):
@@ -57,27 +59,12 @@ def mlp_fused(self, x):
     return self.down(F.silu(gate) * up)
 
 
-def hidden_states(model: Llama, idx: torch.Tensor) -> torch.Tensor:
-    T = idx.shape[1]
-    cos, sin = model.rope_cos[:T], model.rope_sin[:T]
-    x = model.tok_emb(idx)
-    for block in model.blocks:
-        x, _ = block(x, cos, sin)
-    return model.norm(x)
-
-
-def chunked_lm_loss(model: Llama, idx: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
-    h = hidden_states(model, idx).view(-1, model.cfg.d_model)
-    total = sum(F.cross_entropy(model.lm_head(hc), tc, reduction="sum")
-                for hc, tc in zip(h.chunk(chunks), targets.reshape(-1).chunk(chunks)))
-    return total / targets.numel()
-
-
 class Variant:
     clock = staticmethod(time.perf_counter)
+    dtype = torch.float32  # bfloat16: the step runs under autocast, as the trainer runs it
 
     def __init__(self, cfg: LlamaConfig, batch: int, *, fused_qkv: bool, fused_mlp: bool, fused_adamw: bool,
-                 chunks: int = 0, compile: bool = False) -> None:
+                 sliced_loss: bool = False, compile: bool = False) -> None:
         torch.manual_seed(0)
         self.model = Llama(cfg).train()
         for block in self.model.blocks:
@@ -89,17 +76,18 @@ class Variant:
             self.model.forward = torch.compile(self.model.forward)  # what train.compile=true does
         kind = {"fused": True} if fused_adamw else {"foreach": True}
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, **kind)
-        self.chunks = chunks
+        self.sliced_loss = sliced_loss
         g = torch.Generator().manual_seed(1)
         self.x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
         self.y = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
         self.best = float("inf")
 
     def loss(self) -> torch.Tensor:
-        if self.chunks:
-            return chunked_lm_loss(self.model, self.x, self.y, self.chunks)
-        logits, _ = self.model(self.x)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), self.y.view(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16):
+            if self.sliced_loss:
+                return self.model(self.x, targets=self.y)[0]
+            logits, _ = self.model(self.x)
+            return F.cross_entropy(logits.float().view(-1, logits.size(-1)), self.y.view(-1))
 
     def step(self) -> float:
         t0 = self.clock()
@@ -125,24 +113,28 @@ def main() -> None:
                         help="time steps by the wall clock or by this process's CPU time (busy machine, 1 thread)")
     parser.add_argument("--compile", action="store_true", help="also time the model under torch.compile")
     parser.add_argument("--batches", default="", help="comma-separated other batch sizes to time, e.g. 4,16")
+    parser.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                        help="auto: what train.precision=auto picks on this CPU (measured); fp32/bf16: forced")
     args = parser.parse_args()
 
     run_cfg = load_config(args.profile, overrides=args.overrides)
-    cfg = run_cfg.model.shape(args.vocab_size)
+    cfg = run_cfg.model.or_named("demo").shape(args.vocab_size)  # model.size=auto: demo dims
     B = run_cfg.train.batch_size
     torch.set_num_threads(args.threads)
     if args.clock == "cpu":
         Variant.clock = staticmethod(time.process_time)
+    precision = choose_precision(args.precision, cfg, B, args.threads)  # no cache: a benchmark measures afresh
+    Variant.dtype = getattr(torch, precision["dtype"])
     print(f"batch {B} x {cfg.block_size}, d_model {cfg.d_model}, {cfg.n_layer} layers, vocab {cfg.vocab_size}, "
-          f"{args.threads} threads, fp32, {args.clock} clock")
+          f"{args.threads} threads, {precision['dtype']} ({precision['reason']}), {args.clock} clock")
 
-    now = dict(fused_qkv=True, fused_mlp=False, fused_adamw=False)
+    now = dict(fused_qkv=True, fused_mlp=False, fused_adamw=False, sliced_loss=True)
     variants = {
         "before": Variant(cfg, B, fused_qkv=False, fused_mlp=False, fused_adamw=False),
         "fused AdamW": Variant(cfg, B, fused_qkv=False, fused_mlp=False, fused_adamw=True),
-        "fused QKV+rope": Variant(cfg, B, **now),
+        "fused QKV+rope": Variant(cfg, B, fused_qkv=True, fused_mlp=False, fused_adamw=False),
         "+ gate/up": Variant(cfg, B, fused_qkv=True, fused_mlp=True, fused_adamw=False),
-        "+ chunked CE": Variant(cfg, B, **now, chunks=4),
+        "+ chunked CE": Variant(cfg, B, **now),
     }
     if args.compile:
         variants["+ compile"] = Variant(cfg, B, **now, compile=True)
@@ -168,9 +160,9 @@ def main() -> None:
     for name, v in variants.items():
         print(f"{name:>16}  {v.tokens_per_s():7.0f}  {v.tokens_per_s() / base:.3f}")
     if args.compile:
-        eager, compiled = variants["fused QKV+rope"], variants["+ compile"]
+        eager, compiled = variants["+ chunked CE"], variants["+ compile"]
         saved_per_token = 1 / eager.tokens_per_s() - 1 / compiled.tokens_per_s()
-        compile_s = warmup["+ compile"] - warmup["fused QKV+rope"]
+        compile_s = warmup["+ compile"] - warmup["+ chunked CE"]
         if saved_per_token > 0:
             minutes = compile_s / saved_per_token / eager.tokens_per_s() / 60
             print(f"compile: {compile_s:.0f}s to compile, repaid after {minutes:.1f} min of eager training")

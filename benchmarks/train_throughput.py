@@ -73,25 +73,25 @@ def main() -> None:
     x = torch.randint(0, cfg.vocab_size, (B, T))
     y = torch.randint(0, cfg.vocab_size, (B, T))
 
-    def forward_ours(m):
-        return m(x)[0]
+    def loss_ours(m):  # the trainer's loss (trainer.lm_loss): through forward, the LM head in slices
+        return m(x, targets=y)[0]
 
-    def forward_hf(m):
-        return m(input_ids=x).logits
+    def loss_hf(m):  # the logits, then the cross-entropy in fp32
+        logits = m(input_ids=x).logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
 
-    contenders = {"cpuforge": (ours, forward_ours), "transformers": (theirs, forward_hf)}
+    contenders = {"cpuforge": (ours, loss_ours), "transformers": (theirs, loss_hf)}
     if args.compile:
         torch.manual_seed(0)
         compiled = Llama(cfg)
         compiled.forward = torch.compile(compiled.forward)  # what train.compile=true does
-        contenders["cpuforge+compile"] = (compiled, forward_ours)
+        contenders["cpuforge+compile"] = (compiled, loss_ours)
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=True) for name, (m, _) in contenders.items()}
 
     def step(name: str) -> None:
-        model, fwd = contenders[name]
+        model, loss_of = contenders[name]
         with autocast():
-            logits = fwd(model)
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+            loss = loss_of(model)
         loss.backward()
         optimizers[name].step()
         optimizers[name].zero_grad(set_to_none=True)

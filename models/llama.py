@@ -17,6 +17,11 @@ from cpuforge.models.config import LlamaConfig
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v) of shape (B, n_kv_head, T, head_dim)
 
+# The training loss takes the LM head and cross-entropy over this many slices of the tokens, so the
+# fp32 logits of a whole batch (8 x 256 x 4096 = 32 MB at the demo's) never exist at once: 1.12x a
+# bf16-autocast demo step on AVX-512/AMX, 1.00-1.04x in fp32 (benchmarks/train_levers.py).
+LOSS_CHUNKS = 4
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -142,9 +147,12 @@ class Llama(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, start: int = 0
-                ) -> tuple[torch.Tensor, KVCache]:
-        """Logits for every position, and the updated KV cache. `start` is the position of idx[:, 0]."""
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None, start: int = 0,
+                targets: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
+        """Logits for every position, and the updated KV cache. `start` is the position of idx[:, 0].
+        Given `targets` (idx's shape), the mean cross-entropy in fp32 takes the logits' place (the
+        training loss, computed in LOSS_CHUNKS slices); it goes through forward so that DDP, FSDP and
+        torch.compile see it."""
         T = idx.shape[1]
         if start + T > self.cfg.block_size:
             raise ValueError(f"sequence of {start + T} tokens exceeds the context of {self.cfg.block_size}")
@@ -158,11 +166,17 @@ class Llama(nn.Module):
             else:
                 x, kv = block(x, cos, sin, layer_cache)
             new_cache.append(kv)
-        return self.lm_head(self.norm(x)), new_cache
+        h = self.norm(x)
+        if targets is None:
+            return self.lm_head(h), new_cache
+        h, targets = h.view(-1, h.size(-1)), targets.reshape(-1)
+        total = sum(F.cross_entropy(self.lm_head(h_part).float(), t_part, reduction="sum")
+                    for h_part, t_part in zip(h.chunk(LOSS_CHUNKS), targets.chunk(LOSS_CHUNKS)))
+        return total / targets.numel(), new_cache
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits, _ = self(idx)
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        """Mean next-token cross-entropy (targets are idx shifted by one)."""
+        return self(idx, targets=targets)[0]
 
 
 @torch.no_grad()

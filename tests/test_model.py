@@ -164,3 +164,19 @@ def test_fused_attention_path_computes_what_the_separate_projections_do():
     assert list(dict(fused.named_parameters())) == list(dict(separate.named_parameters()))  # names unchanged
     for (name, a), b in zip(fused.named_parameters(), separate.parameters()):
         assert a.grad is not None and torch.allclose(a.grad, b.grad, atol=1e-5), name
+
+
+def test_the_training_loss_is_the_cross_entropy_of_the_logits_and_trains_the_same(model):
+    """forward(targets=...) takes the LM head and cross-entropy in slices (never all logits at once):
+    the same loss, and the same gradients, as the cross-entropy over the whole batch's logits."""
+    x, y = torch.randint(0, 97, (3, 31)), torch.randint(0, 97, (3, 31))  # 93 tokens: unequal slices
+    sliced = model(x, targets=y)[0]
+    sliced.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    logits, _ = model(x)
+    full = torch.nn.functional.cross_entropy(logits.view(-1, 97), y.view(-1))
+    full.backward()
+    assert sliced.dtype == torch.float32 and torch.allclose(sliced, full, atol=1e-6)
+    assert all(torch.allclose(grads[n], p.grad, atol=1e-6) for n, p in model.named_parameters())
+    assert torch.equal(model.loss(x, y), sliced)

@@ -131,6 +131,19 @@ def test_muon_recipe_trains_and_resumes_to_the_same_weights(shards, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_muons_newton_schulz_in_bf16_gives_the_fp32_iterations_matrix():
+    """Where the step runs in bf16, Muon orthogonalizes in bf16 (as torch.optim.Muon does): the update
+    comes back in the parameter's dtype and close to the fp32 iteration's, singular values near 1."""
+    from cpuforge.tasks.engine.muon import orthogonalize
+
+    g = torch.randn(96, 32, generator=torch.Generator().manual_seed(0))
+    exact, low = orthogonalize(g), orthogonalize(g, dtype=torch.bfloat16)
+    assert low.dtype == torch.float32 and low.shape == g.shape
+    assert (low - exact).norm() / exact.norm() < 0.05
+    singular = torch.linalg.svdvals(low)
+    assert singular.min() > 0.5 and singular.max() < 1.3
+
+
 def test_a_run_resumes_under_the_optimizer_that_wrote_its_checkpoint(shards, tmp_path, caplog):
     """An AdamW checkpoint (an FSDP run's under optimizer=auto, or one from before Muon) resumed where
     train.optimizer now names Muon continues with AdamW, its state intact, and says so."""
@@ -363,8 +376,11 @@ def test_the_step_timer_runs_the_optimizer_the_run_uses():
     step = training_step_timer(SMALL, 2, "muon", activation_checkpointing=True)
     assert step() > 0 and step(torch.bfloat16) > 0
     held = [c.cell_contents for c in step.__closure__]
-    optimizers = [h for h in held if isinstance(h, torch.optim.Optimizer)]
-    assert len(optimizers) == 1 and isinstance(optimizers[0], MuonAdamW)
+    optimizers = next(h for h in held if isinstance(h, dict))
+    assert all(isinstance(o, MuonAdamW) for o in optimizers.values())
+    # Newton-Schulz runs in the step's precision, as the trainer's optimizer does (make_optimizer)
+    assert {dtype: o.ns_dtype for dtype, o in optimizers.items()} == {torch.float32: torch.float32,
+                                                                      torch.bfloat16: torch.bfloat16}
     assert [h.activation_checkpointing for h in held if isinstance(h, torch.nn.Module)] == [True]
 
 

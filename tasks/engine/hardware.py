@@ -84,8 +84,6 @@ def training_step_timer(model_cfg, batch: int, optimizer: str = "adamw", teacher
     forward (after the teacher's, when there is one), cross-entropy, backward (recomputing activations
     under activation checkpointing) and the run's optimizer (AdamW, or Muon for the blocks' matrices),
     bf16 meaning autocast as the trainer runs it. Call it under the thread count being measured."""
-    import torch.nn.functional as F
-
     from cpuforge.models.llama import Llama
     from cpuforge.tasks.engine.optimizers import build_optimizer
 
@@ -95,16 +93,18 @@ def training_step_timer(model_cfg, batch: int, optimizer: str = "adamw", teacher
     model = Llama(model_cfg)
     model.activation_checkpointing = activation_checkpointing
     teacher = Llama(teacher_cfg).eval() if teacher_cfg is not None else None
-    opt = build_optimizer(model, optimizer, lr=1e-5)
+    optimizers: dict[torch.dtype, torch.optim.Optimizer] = {}  # Muon's Newton-Schulz runs in the step's dtype
 
     def step(dtype: torch.dtype = torch.float32) -> float:
+        if dtype not in optimizers:
+            optimizers[dtype] = build_optimizer(model, optimizer, lr=1e-5, dtype=dtype)
+        opt = optimizers[dtype]
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
             if teacher is not None:
                 with torch.no_grad():
                     teacher(x)
-            logits, _ = model(x)
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+            loss, _ = model(x, targets=y)  # the trainer's loss (trainer.lm_loss)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -9,10 +9,12 @@ from cpuforge.tasks.engine.muon import MuonAdamW
 
 
 def build_optimizer(model: torch.nn.Module, optimizer: str, lr: float, muon_lr: float = 0.0,
-                    weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.Optimizer:
+                    weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95),
+                    dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
     """Weight decay on matrices only (not norms); one parameter per tied pair. With optimizer=muon the
     blocks' matrices go to Muon and the rest (embedding/LM head, norms) to AdamW. A group's
     ``lr_ratio`` is its peak learning rate over train.lr: the schedule scales every group alike.
+    `dtype` is the step's precision: Muon's Newton-Schulz runs in it.
     AdamW is foreach, not fused: the fused CPU kernel was no faster on a demo step (0.97-1.03x,
     benchmarks/train_levers.py)."""
     named = list({id(p): (n, p) for n, p in model.named_parameters() if p.requires_grad}.values())
@@ -26,7 +28,7 @@ def build_optimizer(model: torch.nn.Module, optimizer: str, lr: float, muon_lr: 
                    "lr_ratio": muon_lr / lr},
                   {"params": other, "weight_decay": weight_decay, "lr_ratio": 1.0},
                   {"params": no_decay, "weight_decay": 0.0, "lr_ratio": 1.0}]
-        return MuonAdamW(groups, lr=lr, betas=betas)
+        return MuonAdamW(groups, lr=lr, betas=betas, ns_dtype=dtype)
     decay = [p for p in params if p.dim() >= 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=True)

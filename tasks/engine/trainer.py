@@ -89,8 +89,7 @@ class TrainResult:
 
 
 def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits, _ = model(x)
-    return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
+    return model(x, targets=y)[0]  # through forward (and so DDP/FSDP/compile): Llama's sliced cross-entropy
 
 
 def distillation_loss(teacher: torch.nn.Module, temperature: float, kd_weight: float, lm_weight: float):
@@ -130,7 +129,7 @@ def lr_at(step: int, s: TrainSettings, horizon: int) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, s: TrainSettings) -> torch.optim.Optimizer:
-    return build_optimizer(model, s.optimizer, s.lr, s.muon_lr, s.weight_decay, s.betas)
+    return build_optimizer(model, s.optimizer, s.lr, s.muon_lr, s.weight_decay, s.betas, s.dtype)
 
 
 @torch.no_grad()
