@@ -15,6 +15,9 @@ load, not the recipe. Instead:
    step-time ratio (an arm 5% slower per step gets 5% fewer steps).
 3. Each arm trains with max_steps (deterministic in tokens, whatever the load) on the demo
    profile's model shape and batch, and is scored on the same fixed validation batches.
+Every arm is timed and trained in one precision: --precision auto (the default) is what
+train.precision=auto picks on this CPU for today's arm (a measured A/B; bf16 means autocast),
+fp32 or bf16 forces one.
 The table prints each arm's step-time ratio, steps, val bits per byte and its change
 against today's recipe. Arms are --set style overrides of the train section on top of the
 demo profile; `today` pins the recipe the demo profile shipped with before this benchmark.
@@ -40,6 +43,7 @@ import torch
 from cpuforge.models.llama import Llama, zero_residual_projections
 from cpuforge.tasks.config import load_config
 from cpuforge.tasks.engine.data import BatchSampler, open_shards, token_byte_lengths, val_batches
+from cpuforge.tasks.engine.hardware import choose_precision
 from cpuforge.tasks.engine.trainer import lm_loss, make_optimizer, train
 from cpuforge.tasks.engine.training_run import settings
 from cpuforge.tasks.tokenize import tokenize
@@ -97,12 +101,12 @@ def prepare_corpus(source: str, root: Path) -> Path:
     return out
 
 
-def build(cfg, vocab: int) -> tuple[Llama, torch.optim.Optimizer]:
+def build(cfg, vocab: int, dtype: torch.dtype) -> tuple[Llama, torch.optim.Optimizer]:
     torch.manual_seed(cfg.train.seed)
     model = Llama(cfg.model.shape(vocab))
     if cfg.train.zero_init_residual:
         zero_residual_projections(model)
-    return model, make_optimizer(model, settings(cfg.train, torch.float32, 0.0))
+    return model, make_optimizer(model, settings(cfg.train, dtype, 0.0))
 
 
 def step_class(extra: list[str]) -> str:
@@ -112,7 +116,8 @@ def step_class(extra: list[str]) -> str:
     return f"{cfg.train.optimizer_in_use()} {cfg.model.model_dump_json()}"
 
 
-def time_steps(arms: dict[str, list[str]], tok: Path, rounds: int, steps: int) -> dict[str, float]:
+def time_steps(arms: dict[str, list[str]], tok: Path, rounds: int, steps: int, dtype: torch.dtype
+               ) -> dict[str, float]:
     """Best seconds per optimizer step of each arm's step class, timed round-robin in this process."""
     shards = open_shards(tok, 256)
     built = {}
@@ -120,7 +125,7 @@ def time_steps(arms: dict[str, list[str]], tok: Path, rounds: int, steps: int) -
         if step_class(extra) in built:
             continue
         cfg = arm_config(arm, extra)
-        model, opt = build(cfg, shards.vocab_size)
+        model, opt = build(cfg, shards.vocab_size, dtype)
         sampler = BatchSampler(shards.train, cfg.train.batch_size, model.cfg.block_size, cfg.train.seed, 0, 1)
         built[step_class(extra)] = (model, opt, sampler)
     best = {name: math.inf for name in built}
@@ -129,7 +134,9 @@ def time_steps(arms: dict[str, list[str]], tok: Path, rounds: int, steps: int) -
             t0 = time.perf_counter()
             for i in range(steps):
                 x, y = sampler.batch(r * steps + i, 0)
-                lm_loss(model, x, y).backward()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                    loss = lm_loss(model, x, y)
+                loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -146,6 +153,8 @@ def main() -> None:
     parser.add_argument("--base-tok-s", type=float, default=None,
                         help="today's recipe's idle tokens/s (default: its best timed throughput here)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                        help="auto: what train.precision=auto picks on this CPU (measured); fp32/bf16: forced")
     parser.add_argument("--eval-batches", type=int, default=32, help="fixed val batches (8 x 256 tokens each)")
     parser.add_argument("--timing-rounds", type=int, default=4)
     parser.add_argument("--timing", help="JSON of seconds per step per arm: read if it exists, else measured and "
@@ -163,11 +172,16 @@ def main() -> None:
     known = {**ARMS, SHIPPED: shipped_overrides(args.minutes, root / "sizing") if SHIPPED in trained else []}
     arms = {"today": [], **{a: known[a] for a in trained}}  # today's recipe is the yardstick of the step ratio
 
+    today_cfg = arm_config("today", [])
+    precision = choose_precision(args.precision, today_cfg.model.shape(open_shards(toks[corpora[0]], 256).vocab_size),
+                                 today_cfg.train.batch_size, args.threads)
+    dtype = getattr(torch, precision["dtype"])
+    print(f"precision {precision['dtype']}: {precision['reason']}")
     timing = Path(args.timing) if args.timing else None
     if timing and timing.is_file():
         per_step = {arm: json.loads(timing.read_text())[arm] for arm in arms}
     else:
-        per_step = time_steps(arms, toks[corpora[0]], args.timing_rounds, steps=3)
+        per_step = time_steps(arms, toks[corpora[0]], args.timing_rounds, steps=3, dtype=dtype)
         if timing:
             timing.write_text(json.dumps(per_step, indent=2))
     tokens_per_step = 8 * 256
@@ -192,8 +206,8 @@ def main() -> None:
         for arm in trained:
             extra = arms[arm]
             cfg = arm_config(arm, extra)
-            model, _ = build(cfg, shards.vocab_size)
-            s = replace(settings(cfg.train, torch.float32, 0.0), max_steps=steps[arm], max_minutes=None,
+            model, _ = build(cfg, shards.vocab_size, dtype)
+            s = replace(settings(cfg.train, dtype, 0.0), max_steps=steps[arm], max_minutes=None,
                         eval_interval=10**9, checkpoint_every_steps=10**9, checkpoint_every_minutes=10**9)
             ckpt = root / tok.parent.name / "runs" / arm
             shutil.rmtree(ckpt, ignore_errors=True)  # a fresh run each time, not a resume of the last one
@@ -206,8 +220,8 @@ def main() -> None:
             table.append({"corpus": source, "arm": arm, "overrides": extra, "step_time_ratio": round(ratio[arm], 4),
                           "steps": steps[arm], "val_bpb": round(result.val_bpb, 4), "vs_today": round(rel, 4)})
     if args.json:
-        Path(args.json).write_text(json.dumps({"base_tok_s": base_tok_s, "minutes": args.minutes, "rows": table},
-                                              indent=2))
+        Path(args.json).write_text(json.dumps({"base_tok_s": base_tok_s, "minutes": args.minutes,
+                                               "precision": precision["dtype"], "rows": table}, indent=2))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ A literal wall-clock race would measure whatever else the shared machine runs at
  3. every model is scored on the same --val-batches validation batches (bits per byte).
 The table gives params, tokens/s, tokens, tokens per parameter and val bpb per shape; the shape with the
 lowest bpb marks the sweet spot, and its tokens/param is what `model.size: auto` aims at
-(tasks/engine/sizing.py TOKENS_PER_PARAM). Threads: --threads (default 2), said in the output.
+(tasks/engine/sizing.py TOKENS_PER_PARAM). Threads: --threads (default 2), said in the output. Steps are
+timed and trained in the dtype the demo profile's sizing times (sizing.training_dtype: bf16 autocast where
+the CPU has native bf16, else fp32), with the demo's optimizer.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from cpuforge.models.config import AUTO_LADDER, LlamaConfig, ladder_shape
 from cpuforge.models.llama import Llama, config_param_count
 from cpuforge.tasks.config import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
-from cpuforge.tasks.engine.sizing import measure_shapes
+from cpuforge.tasks.engine.sizing import measure_shapes, training_dtype
 from cpuforge.tasks.engine.trainer import evaluate, train
 from cpuforge.tasks.engine.training_run import settings
 from cpuforge.tasks.tokenize import tokenize
@@ -58,6 +60,7 @@ def main() -> None:
     args = parser.parse_args()
 
     cfg = load_config("demo")
+    dtype = training_dtype(cfg.train.precision)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.workdir or tmp)
@@ -73,10 +76,10 @@ def main() -> None:
         if demo not in shapes:
             shapes.append(demo)
 
-        rates = measure_shapes(shapes, cfg.train.batch_size, args.threads, rounds=args.rounds,
+        rates = measure_shapes(shapes, cfg.train.batch_size, args.threads, dtype, rounds=args.rounds,
                                optimizer=cfg.train.optimizer_in_use())
         demo_rate = rates[shapes.index(demo)]
-        print(f"{args.threads} threads, batch {cfg.train.batch_size}x{demo.block_size}, vocab {demo.vocab_size}; "
+        print(f"{args.threads} threads, {dtype}, batch {cfg.train.batch_size}x{demo.block_size}, vocab {demo.vocab_size}; "
               f"budget {args.minutes:g} min at each shape's measured tok/s (best of {args.rounds}, round-robin); "
               f"demo shape measured {demo_rate:,.0f} tok/s", flush=True)
         if args.anchor_tok_s:
@@ -86,13 +89,13 @@ def main() -> None:
         rows = []
         for i, (shape, rate) in enumerate(zip(shapes, rates)):
             budget = int(args.minutes * 60 * rate)
-            s = replace(settings(cfg.train, torch.float32, 0.0), max_minutes=None, max_steps=None, max_tokens=budget,
+            s = replace(settings(cfg.train, dtype, 0.0), max_minutes=None, max_steps=None, max_tokens=budget,
                         eval_interval=10**9, checkpoint_every_steps=10**9, checkpoint_every_minutes=10**6)
             torch.manual_seed(cfg.train.seed)
             model = Llama(shape)
             t0 = time.perf_counter()
             result = train(model, shards.train, val[:1], lengths, s, root / f"ckpt{i}")
-            _, bpb = evaluate(model, val, lengths)
+            _, bpb = evaluate(model, val, lengths, dtype)
             params = config_param_count(shape)
             rows.append({"d_model": shape.d_model, "n_layer": shape.n_layer, "n_head": shape.n_head,
                          "n_kv_head": shape.n_kv_head, "d_mlp": shape.d_mlp, "params": params,

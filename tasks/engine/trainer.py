@@ -379,7 +379,8 @@ class _Training:
         if not self.horizon_frozen:
             self.horizon_frozen = True
             if self.is_main:
-                log.info("wall-clock budget of %.1f min -> cosine horizon fixed at %d steps", s.max_minutes, self.horizon)
+                log.info("wall-clock budget of %.1f min -> %s schedule's horizon fixed at %d steps", s.max_minutes,
+                         s.lr_schedule, self.horizon)
         state = {"step": step, "tokens": self.tokens, "elapsed": self.elapsed(), "horizon": self.horizon,
                  "history": self.history, "torch_rng": torch.get_rng_state(), "optimizer": self.s.optimizer}
         if sharding.is_sharded(self.model):  # every rank writes its own shards
