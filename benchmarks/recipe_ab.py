@@ -58,6 +58,7 @@ ARMS: dict[str, list[str]] = {
     "adamw-wsd-zero-lr4e-3": [*WSD, "lr=4e-3", "zero_init_residual=true"],
     "muon-wsd-zero-lr4e-3": ["optimizer=muon", "muon_lr=4e-3", *WSD, "lr=4e-3", "zero_init_residual=true"],
     "muon-wsd-zero-lr8e-3": ["optimizer=muon", "muon_lr=8e-3", *WSD, "lr=4e-3", "zero_init_residual=true"],
+    "muon-wsd-zero-lr2e-3": ["optimizer=muon", "muon_lr=2e-3", *WSD, "lr=4e-3", "zero_init_residual=true"],
 }
 
 
