@@ -179,12 +179,16 @@ def main() -> None:
     dtype = getattr(torch, precision["dtype"])
     print(f"precision {precision['dtype']}: {precision['reason']}")
     timing = Path(args.timing) if args.timing else None
-    if timing and timing.is_file():
-        per_step = {arm: json.loads(timing.read_text())[arm] for arm in arms}
+    known_steps = json.loads(timing.read_text()) if timing and timing.is_file() else {}
+    if known_steps and known_steps.get("precision") != precision["dtype"]:
+        raise SystemExit(f"{timing} was timed in {known_steps.get('precision', 'an unrecorded precision')}, this run "
+                         f"trains in {precision['dtype']}: give another --timing file (or delete this one)")
+    if known_steps:
+        per_step = {arm: known_steps[arm] for arm in arms}
     else:
         per_step = time_steps(arms, toks[corpora[0]], args.timing_rounds, steps=3, dtype=dtype)
         if timing:
-            timing.write_text(json.dumps(per_step, indent=2))
+            timing.write_text(json.dumps({"precision": precision["dtype"], **per_step}, indent=2))
     tokens_per_step = 8 * 256
     base_tok_s = args.base_tok_s or tokens_per_step / per_step["today"]
     base_steps = round(args.minutes * 60 * base_tok_s / tokens_per_step)

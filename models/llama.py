@@ -17,9 +17,11 @@ from cpuforge.models.config import LlamaConfig
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v) of shape (B, n_kv_head, T, head_dim)
 
-# The training loss takes the LM head and cross-entropy over this many slices of the tokens, so the
-# fp32 logits of a whole batch (8 x 256 x 4096 = 32 MB at the demo's) never exist at once: 1.12x a
-# bf16-autocast demo step on AVX-512/AMX, 1.00-1.04x in fp32 (benchmarks/train_levers.py).
+# The training loss takes the LM head, the cast to fp32 and the cross-entropy over this many slices of
+# the tokens: each op works on a quarter of the batch's logits (8 x 256 x 4096 x 4 bytes = 32 MB at the
+# demo's), and there is no bf16 copy of all of them beside the fp32 one. 1.12x a bf16-autocast demo step
+# on AVX-512/AMX, 1.00-1.04x in fp32 (benchmarks/train_levers.py). The log-probabilities autograd keeps
+# for the backward pass still add up to the whole batch's.
 LOSS_CHUNKS = 4
 
 

@@ -372,16 +372,29 @@ def test_the_real_ab_times_both_precisions():
 def test_the_step_timer_runs_the_optimizer_the_run_uses():
     from cpuforge.tasks.engine.hardware import training_step_timer
     from cpuforge.tasks.engine.muon import MuonAdamW
+    from cpuforge.tasks.engine.optimizers import newton_schulz_dtype
 
     step = training_step_timer(SMALL, 2, "muon", activation_checkpointing=True)
-    assert step() > 0 and step(torch.bfloat16) > 0
     held = [c.cell_contents for c in step.__closure__]
-    optimizers = next(h for h in held if isinstance(h, dict))
-    assert all(isinstance(o, MuonAdamW) for o in optimizers.values())
-    # Newton-Schulz runs in the step's precision, as the trainer's optimizer does (make_optimizer)
-    assert {dtype: o.ns_dtype for dtype, o in optimizers.items()} == {torch.float32: torch.float32,
-                                                                      torch.bfloat16: torch.bfloat16}
+    optimizers = [h for h in held if isinstance(h, torch.optim.Optimizer)]
+    assert len(optimizers) == 1 and isinstance(optimizers[0], MuonAdamW)
+    # Newton-Schulz runs in the step's precision as the trainer's optimizer does (make_optimizer): bf16
+    # only where the CPU has it natively
+    assert step(torch.bfloat16) > 0 and optimizers[0].ns_dtype == newton_schulz_dtype(torch.bfloat16)
+    assert step() > 0 and optimizers[0].ns_dtype == torch.float32
     assert [h.activation_checkpointing for h in held if isinstance(h, torch.nn.Module)] == [True]
+
+
+def test_newton_schulz_stays_fp32_where_bf16_is_emulated(monkeypatch):
+    from cpuforge.tasks.engine import optimizers
+
+    monkeypatch.setattr(optimizers, "has_native_bf16", lambda: False)
+    assert optimizers.newton_schulz_dtype(torch.bfloat16) == torch.float32
+    monkeypatch.setattr(optimizers, "has_native_bf16", lambda: True)
+    assert optimizers.newton_schulz_dtype(torch.bfloat16) == torch.bfloat16
+    assert optimizers.newton_schulz_dtype(torch.float32) == torch.float32
+    muon = optimizers.build_optimizer(Llama(SMALL), "muon", lr=1e-3, dtype=torch.bfloat16)
+    assert muon.ns_dtype == torch.bfloat16
 
 
 def test_recover_mfu_counts_the_teachers_forward_passes(shards, tmp_path):

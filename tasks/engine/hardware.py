@@ -81,11 +81,13 @@ AB_ROUNDS = 3  # timed steps per precision, alternating, after one warm-up step 
 def training_step_timer(model_cfg, batch: int, optimizer: str = "adamw", teacher_cfg=None,
                         activation_checkpointing: bool = False):
     """A function dtype -> seconds of one real training step of this model shape as the run will take it:
-    forward (after the teacher's, when there is one), cross-entropy, backward (recomputing activations
-    under activation checkpointing) and the run's optimizer (AdamW, or Muon for the blocks' matrices),
-    bf16 meaning autocast as the trainer runs it. Call it under the thread count being measured."""
+    forward and the trainer's loss (the sliced cross-entropy; with a teacher, recovery's distillation loss
+    over both models' full logits), backward (recomputing activations under activation checkpointing)
+    and the run's optimizer (AdamW, or Muon for the blocks' matrices, its Newton-Schulz in the step's
+    precision), bf16 meaning autocast as the trainer runs it. Call it under the thread count being measured."""
     from cpuforge.models.llama import Llama
-    from cpuforge.tasks.engine.optimizers import build_optimizer
+    from cpuforge.tasks.engine.optimizers import build_optimizer, newton_schulz_dtype
+    from cpuforge.tasks.engine.trainer import distillation_loss, lm_loss
 
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, model_cfg.vocab_size, (batch, model_cfg.block_size), generator=g)
@@ -93,18 +95,17 @@ def training_step_timer(model_cfg, batch: int, optimizer: str = "adamw", teacher
     model = Llama(model_cfg)
     model.activation_checkpointing = activation_checkpointing
     teacher = Llama(teacher_cfg).eval() if teacher_cfg is not None else None
-    optimizers: dict[torch.dtype, torch.optim.Optimizer] = {}  # Muon's Newton-Schulz runs in the step's dtype
+    opt = build_optimizer(model, optimizer, lr=1e-5)
+    # the trainer's loss: recovery's distillation (full logits and the teacher's), else trainer.lm_loss
+    loss_fn = distillation_loss(teacher, 2.0, 0.5, 0.5) if teacher is not None else lm_loss  # weights: cost-neutral
 
     def step(dtype: torch.dtype = torch.float32) -> float:
-        if dtype not in optimizers:
-            optimizers[dtype] = build_optimizer(model, optimizer, lr=1e-5, dtype=dtype)
-        opt = optimizers[dtype]
+        if hasattr(opt, "ns_dtype"):  # Muon's Newton-Schulz runs in the step's dtype, as the trainer's does
+            opt.ns_dtype = newton_schulz_dtype(dtype)
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            if teacher is not None:
-                with torch.no_grad():
-                    teacher(x)
-            loss, _ = model(x, targets=y)  # the trainer's loss (trainer.lm_loss)
+            out = loss_fn(model, x, y)
+            loss = out[0] if isinstance(out, tuple) else out
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
