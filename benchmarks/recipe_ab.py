@@ -44,7 +44,8 @@ from cpuforge.models.llama import Llama, zero_residual_projections
 from cpuforge.tasks.config import load_config
 from cpuforge.tasks.engine.data import BatchSampler, open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.hardware import choose_precision
-from cpuforge.tasks.engine.trainer import lm_loss, make_optimizer, train
+from cpuforge.tasks.engine.losses import lm_loss
+from cpuforge.tasks.engine.trainer import make_optimizer, train
 from cpuforge.tasks.engine.training_run import settings
 from cpuforge.tasks.tokenize import tokenize
 

@@ -370,9 +370,8 @@ def test_the_real_ab_times_both_precisions():
 
 
 def test_the_step_timer_runs_the_optimizer_the_run_uses():
-    from cpuforge.tasks.engine.hardware import training_step_timer
+    from cpuforge.tasks.engine.hardware import newton_schulz_dtype, training_step_timer
     from cpuforge.tasks.engine.muon import MuonAdamW
-    from cpuforge.tasks.engine.optimizers import newton_schulz_dtype
 
     step = training_step_timer(SMALL, 2, "muon", activation_checkpointing=True)
     held = [c.cell_contents for c in step.__closure__]
@@ -386,15 +385,16 @@ def test_the_step_timer_runs_the_optimizer_the_run_uses():
 
 
 def test_newton_schulz_stays_fp32_where_bf16_is_emulated(monkeypatch):
-    from cpuforge.tasks.engine import optimizers
+    from cpuforge.tasks.engine import hardware
+    from cpuforge.tasks.engine.trainer import make_optimizer
 
-    monkeypatch.setattr(optimizers, "has_native_bf16", lambda: False)
-    assert optimizers.newton_schulz_dtype(torch.bfloat16) == torch.float32
-    monkeypatch.setattr(optimizers, "has_native_bf16", lambda: True)
-    assert optimizers.newton_schulz_dtype(torch.bfloat16) == torch.bfloat16
-    assert optimizers.newton_schulz_dtype(torch.float32) == torch.float32
-    muon = optimizers.build_optimizer(Llama(SMALL), "muon", lr=1e-3, dtype=torch.bfloat16)
-    assert muon.ns_dtype == torch.bfloat16
+    monkeypatch.setattr(hardware, "has_native_bf16", lambda: False)
+    assert hardware.newton_schulz_dtype(torch.bfloat16) == torch.float32
+    bf16_run = settings(load_config("tiny", overrides=["train.optimizer=muon"]).train, torch.bfloat16, 0.0)
+    assert make_optimizer(Llama(SMALL), bf16_run).ns_dtype == torch.float32  # a forced bf16 on AVX2
+    monkeypatch.setattr(hardware, "has_native_bf16", lambda: True)
+    assert hardware.newton_schulz_dtype(torch.float32) == torch.float32
+    assert make_optimizer(Llama(SMALL), bf16_run).ns_dtype == torch.bfloat16
 
 
 def test_recover_mfu_counts_the_teachers_forward_passes(shards, tmp_path):

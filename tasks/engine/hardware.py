@@ -78,6 +78,13 @@ BF16_MIN_GAIN = 1.05
 AB_ROUNDS = 3  # timed steps per precision, alternating, after one warm-up step of each
 
 
+def newton_schulz_dtype(step_dtype: torch.dtype) -> torch.dtype:
+    """Muon's Newton-Schulz runs in the step's precision where the CPU has native bf16 (1.09x a bf16 demo
+    step on AVX-512/AMX); elsewhere in fp32, also under a forced train.precision=bf16 (emulated bf16
+    matmuls are ~100x slower)."""
+    return step_dtype if step_dtype == torch.float32 or has_native_bf16() else torch.float32
+
+
 def training_step_timer(model_cfg, batch: int, optimizer: str = "adamw", teacher_cfg=None,
                         activation_checkpointing: bool = False):
     """A function dtype -> seconds of one real training step of this model shape as the run will take it:
@@ -86,8 +93,8 @@ def training_step_timer(model_cfg, batch: int, optimizer: str = "adamw", teacher
     and the run's optimizer (AdamW, or Muon for the blocks' matrices, its Newton-Schulz in the step's
     precision), bf16 meaning autocast as the trainer runs it. Call it under the thread count being measured."""
     from cpuforge.models.llama import Llama
-    from cpuforge.tasks.engine.optimizers import build_optimizer, newton_schulz_dtype
-    from cpuforge.tasks.engine.trainer import distillation_loss, lm_loss
+    from cpuforge.tasks.engine.losses import distillation_loss, lm_loss
+    from cpuforge.tasks.engine.optimizers import build_optimizer
 
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, model_cfg.vocab_size, (batch, model_cfg.block_size), generator=g)
@@ -96,7 +103,7 @@ def training_step_timer(model_cfg, batch: int, optimizer: str = "adamw", teacher
     model.activation_checkpointing = activation_checkpointing
     teacher = Llama(teacher_cfg).eval() if teacher_cfg is not None else None
     opt = build_optimizer(model, optimizer, lr=1e-5)
-    # the trainer's loss: recovery's distillation (full logits and the teacher's), else trainer.lm_loss
+    # the trainer's loss: recovery's distillation (full logits and the teacher's), else lm_loss
     loss_fn = distillation_loss(teacher, 2.0, 0.5, 0.5) if teacher is not None else lm_loss  # weights: cost-neutral
 
     def step(dtype: torch.dtype = torch.float32) -> float:

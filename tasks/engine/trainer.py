@@ -35,7 +35,8 @@ from cpuforge.models.checkpoint import (
 from cpuforge.models.llama import Llama, flops_per_token
 from cpuforge.tasks.engine import sharding
 from cpuforge.tasks.engine.data import BatchSampler, bits_per_byte
-from cpuforge.tasks.engine.hardware import peak_rss_mb
+from cpuforge.tasks.engine.hardware import newton_schulz_dtype, peak_rss_mb
+from cpuforge.tasks.engine.losses import lm_loss
 from cpuforge.tasks.engine.optimizers import build_optimizer
 
 log = logging.getLogger("cpuforge.trainer")
@@ -88,28 +89,6 @@ class TrainResult:
     history: list[dict[str, float]] = field(default_factory=list)
 
 
-def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return model(x, targets=y)[0]  # through forward (and so DDP/FSDP/compile): Llama's sliced cross-entropy
-
-
-def distillation_loss(teacher: torch.nn.Module, temperature: float, kd_weight: float, lm_weight: float):
-    """Knowledge distillation: KL to the teacher's softened distribution plus the usual LM loss."""
-    teacher.eval()
-
-    def loss(student: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
-        logits, _ = student(x)
-        with torch.no_grad():
-            teacher_logits, _ = teacher(x)
-        vocab = logits.size(-1)
-        lm = F.cross_entropy(logits.view(-1, vocab), y.reshape(-1))
-        kd = F.kl_div(F.log_softmax(logits.view(-1, vocab) / temperature, dim=-1),
-                      F.log_softmax(teacher_logits.view(-1, vocab) / temperature, dim=-1),
-                      log_target=True, reduction="batchmean") * temperature**2
-        return kd_weight * kd + lm_weight * lm, {"kd_loss": kd.item(), "lm_loss": lm.item()}
-
-    return loss
-
-
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, world: int = 1) -> float:
     """Model FLOPs utilisation: achieved FLOP/s over the measured peak of every process (0 when unknown)."""
     return tokens_per_s * flops_per_token / (peak_flops * world) if peak_flops else 0.0
@@ -129,7 +108,7 @@ def lr_at(step: int, s: TrainSettings, horizon: int) -> float:
 
 
 def make_optimizer(model: torch.nn.Module, s: TrainSettings) -> torch.optim.Optimizer:
-    return build_optimizer(model, s.optimizer, s.lr, s.muon_lr, s.weight_decay, s.betas, s.dtype)
+    return build_optimizer(model, s.optimizer, s.lr, s.muon_lr, s.weight_decay, s.betas, newton_schulz_dtype(s.dtype))
 
 
 @torch.no_grad()
