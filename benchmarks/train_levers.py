@@ -15,7 +15,7 @@ as tasks/engine/trainer.make_optimizer does, unless named otherwise. Variants:
                     (models/llama.py's attention), the loss still over the whole batch's logits
     + gate/up       and gate and up as one matmul too
     + chunked CE    the model as it is: the loss through forward(targets=...), the LM head and
-                    cross-entropy over LOSS_CHUNKS slices of the tokens (never all logits at once)
+                    cross-entropy over LOSS_CHUNKS slices of the tokens (each op on a slice's logits)
     + compile       (--compile) the model as it is under torch.compile; prints the compile time and
                     how many minutes of training it takes to earn it back
 

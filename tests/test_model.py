@@ -167,7 +167,7 @@ def test_fused_attention_path_computes_what_the_separate_projections_do():
 
 
 def test_the_training_loss_is_the_cross_entropy_of_the_logits_and_trains_the_same(model):
-    """forward(targets=...) takes the LM head and cross-entropy in slices (never all logits at once):
+    """forward(targets=...) takes the LM head and cross-entropy in slices of the tokens:
     the same loss, and the same gradients, as the cross-entropy over the whole batch's logits."""
     x, y = torch.randint(0, 97, (3, 31)), torch.randint(0, 97, (3, 31))  # 93 tokens: unequal slices
     sliced = model(x, targets=y)[0]
