@@ -25,9 +25,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from cpuforge.models.onnx_export import set_metadata
 
 LM_HEAD = "/lm_head/MatMul"  # the builder's name for the LM head's matmul
+EMBEDDING = "/model/embed_tokens/Gather"  # and for the embedding lookup
 PRECISIONS = {"fp32": None, "int8": 8, "int4": 4}
 
 
@@ -65,11 +68,55 @@ def build_decoder(hf_folder: Path, target: Path, precision: str, metadata: dict[
             raise GenaiBuildError(f"onnxruntime_genai's builder failed on {hf_folder} ({precision}):\n"
                                   f"{(done.stdout + done.stderr)[-3000:]}")
         proto = onnx.load(str(out / "model.onnx"))  # with its external weights, saved below in one file
+        if ties_embeddings(hf_folder):
+            share_int8_embedding(proto)
         set_metadata(proto, metadata)
         onnx.save(proto, str(target))
         config = json.loads((out / "genai_config.json").read_text())
     config["model"]["decoder"]["filename"] = target.name
     return config
+
+
+def ties_embeddings(hf_folder: Path) -> bool:
+    return bool(json.loads((Path(hf_folder) / "config.json").read_text()).get("tie_word_embeddings", False))
+
+
+def share_int8_embedding(proto: Any) -> bool:
+    """Let the embedding lookup read the int8 LM head's weights (``GatherBlockQuantized``, bits=8) instead
+    of the fp32 table the builder leaves beside them; only for a model that ties the two.
+
+    At int4 the builder shares one table itself; at int8 it keeps a separate fp32 copy (its check says
+    GatherBlockQuantized is 4-bit only, but onnxruntime >= 1.2x has the 8-bit kernel, with MatMulNBits'
+    layout and default zero point 128). On the demo that copy is half of the file. MatMulNBits stores
+    the head as (vocab, d/block, block) uint8 with (vocab, d/block) scales: reshaped to (vocab, d) it is
+    exactly the row-wise blocked table GatherBlockQuantized reads. Returns whether the graph changed
+    (it does not where the head is not an 8-bit MatMulNBits or d is not a whole number of blocks)."""
+    from onnx import helper, numpy_helper
+
+    graph = proto.graph
+    head = next((n for n in graph.node if n.op_type == "MatMulNBits" and "logits" in n.output), None)
+    lookup = next((n for n in graph.node if n.op_type == "Gather" and n.name == EMBEDDING), None)
+    if head is None or lookup is None:
+        return False
+    attrs = {a.name: helper.get_attribute_value(a) for a in head.attribute}
+    if attrs.get("bits") != 8 or attrs["K"] % attrs["block_size"]:
+        return False
+    table = lookup.input[0]
+    shape = numpy_helper.from_array(np.array([attrs["N"], attrs["K"]], dtype=np.int64), f"{EMBEDDING}/shape")
+    reshape = helper.make_node("Reshape", [head.input[1], shape.name], [f"{EMBEDDING}/table"],
+                               name=f"{EMBEDDING}/Reshape")
+    inputs = [reshape.output[0], lookup.input[1], head.input[2], *head.input[3:4]]  # scales, zero points if any
+    gather = helper.make_node("GatherBlockQuantized", inputs, list(lookup.output), name=f"{EMBEDDING}BlockQuantized",
+                              domain="com.microsoft", bits=8, block_size=attrs["block_size"], gather_axis=0,
+                              quantize_axis=1)
+    at = list(graph.node).index(lookup)
+    graph.node.remove(lookup)
+    graph.node.insert(at, gather)
+    graph.node.insert(at, reshape)
+    graph.initializer.append(shape)
+    if not any(table in n.input for n in graph.node):
+        graph.initializer.remove(next(i for i in graph.initializer if i.name == table))
+    return True
 
 
 def shares_kv_buffer(proto: Any) -> bool:

@@ -78,8 +78,9 @@ SPEC = stages.QUANTIZE
 # Simplest first: the order a tie is broken in (a dynamic model needs no calibration data).
 SIMPLICITY = ("dynamic-qint8", "dynamic-quint8", "genai-int8", "genai-int8-fp32head", "genai-int4",
               "genai-int4-fp32head", "static-qdq")
-# The builder's candidates: (precision, LM head quantized). Its int8 keeps an fp32 embedding table
-# beside the int8 LM head; int4 shares one 4-bit table for both.
+# The builder's candidates: (precision, LM head quantized). With the head quantized the embedding lookup
+# reads the head's blocks (4-bit: the builder's own sharing; 8-bit: models/genai_build.share_int8_embedding);
+# with an fp32 head the two share one fp32 table.
 GENAI = {"genai-int8": ("int8", True), "genai-int8-fp32head": ("int8", False),
          "genai-int4": ("int4", True), "genai-int4-fp32head": ("int4", False)}
 META_QUANTIZATION = "cpuforge.quantization"
