@@ -276,8 +276,11 @@ def generate(decoder: Decoder | Llama, prompt: list[int], max_new_tokens: int, t
     position = len(prompt)
     budget = min(max_new_tokens, block - position)  # every fed token needs a position inside the context
     for i in range(budget):
-        token = choose_token(torch.from_numpy(np.ascontiguousarray(logits[0])), temperature, top_k, generator,
-                             top_p)
+        if temperature <= 0:  # greedy straight from numpy: a torch round trip per token was 8 us of ~180 (int8 demo)
+            token = int(np.argmax(logits[0]))
+        else:
+            token = choose_token(torch.from_numpy(np.ascontiguousarray(logits[0])), temperature, top_k, generator,
+                                 top_p)
         if stop_token is not None and token == stop_token:
             return
         yield token
