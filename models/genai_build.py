@@ -86,11 +86,13 @@ def share_int8_embedding(proto: Any) -> bool:
     of the fp32 table the builder leaves beside them; only for a model that ties the two.
 
     At int4 the builder shares one table itself; at int8 it keeps a separate fp32 copy (its check says
-    GatherBlockQuantized is 4-bit only, but onnxruntime >= 1.2x has the 8-bit kernel, with MatMulNBits'
+    GatherBlockQuantized is 4-bit only, but onnxruntime 1.32 has the 8-bit kernel, with MatMulNBits'
     layout and default zero point 128). On the demo that copy is half of the file. MatMulNBits stores
-    the head as (vocab, d/block, block) uint8 with (vocab, d/block) scales: reshaped to (vocab, d) it is
-    exactly the row-wise blocked table GatherBlockQuantized reads. Returns whether the graph changed
-    (it does not where the head is not an 8-bit MatMulNBits or d is not a whole number of blocks)."""
+    the head as (vocab, blocks, block) uint8 with (vocab, blocks) scales, each row padded to whole
+    blocks: reshaped to (vocab, blocks x block) it is the row-wise blocked table GatherBlockQuantized
+    reads, and a Slice drops the padding of a width that is not a whole number of blocks (as the
+    builder's int4 sharing does). Returns whether the graph changed (not where the head is not a
+    symmetric 8-bit MatMulNBits)."""
     from onnx import helper, numpy_helper
 
     graph = proto.graph
@@ -99,21 +101,32 @@ def share_int8_embedding(proto: Any) -> bool:
     if head is None or lookup is None:
         return False
     attrs = {a.name: helper.get_attribute_value(a) for a in head.attribute}
-    if attrs.get("bits") != 8 or attrs["K"] % attrs["block_size"]:
+    if attrs.get("bits") != 8 or any(head.input[3:4]):  # the builder's int8 is symmetric: no zero points
         return False
+    block, width = attrs["block_size"], attrs["K"]
+    padded = -(-width // block) * block
+
+    def constant(name: str, values: list[int]) -> str:
+        graph.initializer.append(numpy_helper.from_array(np.array(values, dtype=np.int64), f"{EMBEDDING}/{name}"))
+        return f"{EMBEDDING}/{name}"
+
     table = lookup.input[0]
-    shape = numpy_helper.from_array(np.array([attrs["N"], attrs["K"]], dtype=np.int64), f"{EMBEDDING}/shape")
-    reshape = helper.make_node("Reshape", [head.input[1], shape.name], [f"{EMBEDDING}/table"],
-                               name=f"{EMBEDDING}/Reshape")
-    inputs = [reshape.output[0], lookup.input[1], head.input[2], *head.input[3:4]]  # scales, zero points if any
-    gather = helper.make_node("GatherBlockQuantized", inputs, list(lookup.output), name=f"{EMBEDDING}BlockQuantized",
-                              domain="com.microsoft", bits=8, block_size=attrs["block_size"], gather_axis=0,
-                              quantize_axis=1)
+    # MatMulNBits takes its scales flat or (vocab, blocks); GatherBlockQuantized wants the table's rank
+    nodes = [helper.make_node("Reshape", [head.input[1], constant("shape", [attrs["N"], padded])],
+                              [f"{EMBEDDING}/table"], name=f"{EMBEDDING}/Reshape"),
+             helper.make_node("Reshape", [head.input[2], constant("scales_shape", [attrs["N"], padded // block])],
+                              [f"{EMBEDDING}/scales"], name=f"{EMBEDDING}/ReshapeScales")]
+    gathered = lookup.output[0] if padded == width else f"{EMBEDDING}/padded"
+    inputs = [nodes[0].output[0], lookup.input[1], nodes[1].output[0]]
+    nodes.append(helper.make_node("GatherBlockQuantized", inputs, [gathered], name=f"{EMBEDDING}BlockQuantized",
+                                  domain="com.microsoft", bits=8, block_size=block, gather_axis=0, quantize_axis=1))
+    if padded != width:
+        nodes.append(helper.make_node("Slice", [gathered, constant("start", [0]), constant("end", [width]),
+                                                constant("axis", [-1])], list(lookup.output), name=f"{EMBEDDING}/Slice"))
     at = list(graph.node).index(lookup)
     graph.node.remove(lookup)
-    graph.node.insert(at, gather)
-    graph.node.insert(at, reshape)
-    graph.initializer.append(shape)
+    for node in reversed(nodes):
+        graph.node.insert(at, node)
     if not any(table in n.input for n in graph.node):
         graph.initializer.remove(next(i for i in graph.initializer if i.name == table))
     return True

@@ -1,0 +1,76 @@
+"""models/genai_build.share_int8_embedding on graphs laid out as ONNX Runtime GenAI's builder lays them out:
+the embedding lookup then reads the int8 LM head's blocks, whole or padded, and gives the rows the head holds."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from cpuforge.models.genai_build import EMBEDDING, share_int8_embedding
+
+VOCAB, BLOCK = 48, 32
+
+
+def _quantized_head(table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MatMulNBits' int8 layout of a (vocab, width) table: rows padded to whole blocks, symmetric blocks around
+    zero point 128; returns (uint8 (vocab, blocks, BLOCK), scales (vocab, blocks), the dequantized table)."""
+    vocab, width = table.shape
+    blocks = -(-width // BLOCK)
+    padded = np.zeros((vocab, blocks * BLOCK), np.float32)
+    padded[:, :width] = table
+    grouped = padded.reshape(vocab, blocks, BLOCK)
+    scales = np.abs(grouped).max(-1) / 127
+    q = np.clip(np.round(grouped / scales[..., None]), -127, 127)
+    dequantized = (q * scales[..., None]).reshape(vocab, -1)[:, :width]
+    return (q + 128).astype(np.uint8), scales.astype(np.float32), dequantized.astype(np.float32)
+
+
+def _builder_like_graph(width: int) -> tuple[onnx.ModelProto, np.ndarray]:
+    """ids -> Gather(fp32 table) -> MatMulNBits(int8 head) -> logits, with the builder's names; also returns
+    the table the head dequantizes to."""
+    table = np.random.default_rng(width).normal(size=(VOCAB, width)).astype(np.float32)
+    q, scales, dequantized = _quantized_head(table)
+    lookup = helper.make_node("Gather", ["model.embed_tokens.weight", "input_ids"], [f"{EMBEDDING}/output_0"],
+                              name=EMBEDDING)
+    head = helper.make_node("MatMulNBits", [f"{EMBEDDING}/output_0", "lm_head.MatMul.weight_Q8",
+                                            "lm_head.MatMul.weight_scales"], ["logits"], name="/lm_head/MatMul_Q8",
+                            domain="com.microsoft", K=width, N=VOCAB, bits=8, block_size=BLOCK)
+    graph = helper.make_graph(
+        [lookup, head], "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["B", "T"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", "T", VOCAB])],
+        [numpy_helper.from_array(table, "model.embed_tokens.weight"),
+         numpy_helper.from_array(q, "lm_head.MatMul.weight_Q8"),
+         # the builder writes (vocab, blocks) scales; MatMulNBits also takes them flat
+         numpy_helper.from_array(scales if width % BLOCK == 0 else scales.reshape(-1), "lm_head.MatMul.weight_scales")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    return model, dequantized
+
+
+def _logits(model: onnx.ModelProto, ids: np.ndarray) -> np.ndarray:
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(["logits"], {"input_ids": ids})[0]
+
+
+@pytest.mark.parametrize("width", [64, 40])  # whole blocks, and a pruned width the head pads to 64
+def test_embedding_reads_the_int8_heads_rows(width):
+    model, dequantized = _builder_like_graph(width)
+    ids = np.array([[0, 7, 47, 7], [3, 1, 2, 46]], dtype=np.int64)
+    assert share_int8_embedding(model)
+    assert {i.name for i in model.graph.initializer}.isdisjoint({"model.embed_tokens.weight"})  # no fp32 table left
+    assert [n.op_type for n in model.graph.node if n.domain == "com.microsoft"] == ["GatherBlockQuantized",
+                                                                                     "MatMulNBits"]
+    # the lookup now yields the head's own (dequantized) rows: logits = rows . head's rows
+    expected = dequantized[ids] @ dequantized.T
+    np.testing.assert_allclose(_logits(model, ids), expected, rtol=1e-4, atol=1e-3)
+
+
+def test_a_head_that_is_not_8_bit_is_left_alone():
+    model, _ = _builder_like_graph(64)
+    for attribute in model.graph.node[1].attribute:
+        if attribute.name == "bits":
+            attribute.i = 4
+    before = model.SerializeToString()
+    assert not share_int8_embedding(model) and model.SerializeToString() == before
