@@ -18,6 +18,7 @@ The built graph is saved as one file carrying cpuforge's metadata, so it loads l
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -28,6 +29,8 @@ from typing import Any
 import numpy as np
 
 from cpuforge.models.onnx_export import set_metadata
+
+log = logging.getLogger("cpuforge.genai_build")
 
 LM_HEAD = "/lm_head/MatMul"  # the builder's name for the LM head's matmul
 EMBEDDING = "/model/embed_tokens/Gather"  # and for the embedding lookup
@@ -68,8 +71,9 @@ def build_decoder(hf_folder: Path, target: Path, precision: str, metadata: dict[
             raise GenaiBuildError(f"onnxruntime_genai's builder failed on {hf_folder} ({precision}):\n"
                                   f"{(done.stdout + done.stderr)[-3000:]}")
         proto = onnx.load(str(out / "model.onnx"))  # with its external weights, saved below in one file
-        if ties_embeddings(hf_folder):
-            share_int8_embedding(proto)
+        if ties_embeddings(hf_folder) and not share_int8_embedding(proto) and precision == "int8" and quantize_lm_head:
+            log.warning("the builder's int8 graph of %s keeps its tied embedding as a separate fp32 table: its "
+                        "lookup or LM head is not laid out as share_int8_embedding expects", hf_folder)
         set_metadata(proto, metadata)
         onnx.save(proto, str(target))
         config = json.loads((out / "genai_config.json").read_text())
@@ -86,8 +90,8 @@ def share_int8_embedding(proto: Any) -> bool:
     of the fp32 table the builder leaves beside them; only for a model that ties the two.
 
     At int4 the builder shares one table itself; at int8 it keeps a separate fp32 copy (its check says
-    GatherBlockQuantized is 4-bit only, but onnxruntime 1.32 has the 8-bit kernel, with MatMulNBits'
-    layout and default zero point 128). On the demo that copy is half of the file. MatMulNBits stores
+    GatherBlockQuantized is 4-bit only, but onnxruntime has had the 8-bit kernel since mid-2025, with
+    MatMulNBits' layout and default zero point 128). On the demo that copy is half of the file. MatMulNBits stores
     the head as (vocab, blocks, block) uint8 with (vocab, blocks) scales, each row padded to whole
     blocks: reshaped to (vocab, blocks x block) it is the row-wise blocked table GatherBlockQuantized
     reads, and a Slice drops the padding of a width that is not a whole number of blocks (as the
@@ -105,12 +109,15 @@ def share_int8_embedding(proto: Any) -> bool:
         return False
     block, width = attrs["block_size"], attrs["K"]
     padded = -(-width // block) * block
+    table = lookup.input[0]
+    stored = next((i for i in graph.initializer if i.name == table), None)
+    if stored is None or list(stored.dims) != [attrs["N"], width]:  # not the head's (vocab, width) table
+        return False
 
     def constant(name: str, values: list[int]) -> str:
         graph.initializer.append(numpy_helper.from_array(np.array(values, dtype=np.int64), f"{EMBEDDING}/{name}"))
         return f"{EMBEDDING}/{name}"
 
-    table = lookup.input[0]
     # MatMulNBits takes its scales flat or (vocab, blocks); GatherBlockQuantized wants the table's rank
     nodes = [helper.make_node("Reshape", [head.input[1], constant("shape", [attrs["N"], padded])],
                               [f"{EMBEDDING}/table"], name=f"{EMBEDDING}/Reshape"),
@@ -127,8 +134,8 @@ def share_int8_embedding(proto: Any) -> bool:
     graph.node.remove(lookup)
     for node in reversed(nodes):
         graph.node.insert(at, node)
-    if not any(table in n.input for n in graph.node):
-        graph.initializer.remove(next(i for i in graph.initializer if i.name == table))
+    if not any(table in n.input for n in graph.node) and table not in {o.name for o in graph.output}:
+        graph.initializer.remove(stored)
     return True
 
 

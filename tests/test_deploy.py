@@ -231,7 +231,7 @@ def test_model_builder_int4_candidate_is_4_bit_and_says_so(quantized):
     assert metrics["weight_bits"] in (4, 8)
 
 
-def test_model_builder_int8_candidate_reads_its_embedding_from_the_int8_head(quantized, exported, tmp_path):
+def test_model_builder_int8_candidate_reads_its_embedding_from_the_int8_head(quantized, tmp_path):
     """The builder's int8 graph keeps no fp32 embedding table beside its int8 LM head: the lookup reads the
     head's 8-bit blocks (GatherBlockQuantized), and ONNX Runtime GenAI generates what cpuforge does with it."""
     import onnxruntime_genai as og

@@ -3,13 +3,15 @@ the embedding lookup then reads the int8 LM head's blocks, whole or padded, and 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from cpuforge.models.genai_build import EMBEDDING, share_int8_embedding
+from cpuforge.models.genai_build import EMBEDDING, share_int8_embedding, ties_embeddings
 
 VOCAB, BLOCK = 48, 32
 
@@ -28,7 +30,7 @@ def _quantized_head(table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return (q + 128).astype(np.uint8), scales.astype(np.float32), dequantized.astype(np.float32)
 
 
-def _builder_like_graph(width: int) -> tuple[onnx.ModelProto, np.ndarray]:
+def _builder_like_graph(width: int, flat_scales: bool = False) -> tuple[onnx.ModelProto, np.ndarray]:
     """ids -> Gather(fp32 table) -> MatMulNBits(int8 head) -> logits, with the builder's names; also returns
     the table the head dequantizes to."""
     table = np.random.default_rng(width).normal(size=(VOCAB, width)).astype(np.float32)
@@ -44,7 +46,7 @@ def _builder_like_graph(width: int) -> tuple[onnx.ModelProto, np.ndarray]:
         [numpy_helper.from_array(table, "model.embed_tokens.weight"),
          numpy_helper.from_array(q, "lm_head.MatMul.weight_Q8"),
          # the builder writes (vocab, blocks) scales; MatMulNBits also takes them flat
-         numpy_helper.from_array(scales if width % BLOCK == 0 else scales.reshape(-1), "lm_head.MatMul.weight_scales")])
+         numpy_helper.from_array(scales.reshape(-1) if flat_scales else scales, "lm_head.MatMul.weight_scales")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
     return model, dequantized
 
@@ -54,11 +56,14 @@ def _logits(model: onnx.ModelProto, ids: np.ndarray) -> np.ndarray:
     return session.run(["logits"], {"input_ids": ids})[0]
 
 
+@pytest.mark.parametrize("flat_scales", [False, True])
 @pytest.mark.parametrize("width", [64, 40])  # whole blocks, and a pruned width the head pads to 64
-def test_embedding_reads_the_int8_heads_rows(width):
-    model, dequantized = _builder_like_graph(width)
+def test_embedding_reads_the_int8_heads_rows(width, flat_scales):
+    model, dequantized = _builder_like_graph(width, flat_scales)
     ids = np.array([[0, 7, 47, 7], [3, 1, 2, 46]], dtype=np.int64)
     assert share_int8_embedding(model)
+    onnx.checker.check_model(model)  # a valid graph, its nodes in order
+    assert not share_int8_embedding(model)  # a second call finds nothing left to share
     assert {i.name for i in model.graph.initializer}.isdisjoint({"model.embed_tokens.weight"})  # no fp32 table left
     assert [n.op_type for n in model.graph.node if n.domain == "com.microsoft"] == ["GatherBlockQuantized",
                                                                                      "MatMulNBits"]
@@ -74,3 +79,12 @@ def test_a_head_that_is_not_8_bit_is_left_alone():
             attribute.i = 4
     before = model.SerializeToString()
     assert not share_int8_embedding(model) and model.SerializeToString() == before
+
+
+@pytest.mark.parametrize(("config", "tied"), [({"tie_word_embeddings": True}, True),
+                                              ({"tie_word_embeddings": False}, False), ({}, False)])
+def test_only_a_tied_model_shares_its_table(tmp_path, config, tied):
+    """An untied model's embedding and LM head are different weights: sharing would read the wrong rows
+    (transformers' LlamaConfig leaves them untied when config.json does not say)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **config}))
+    assert ties_embeddings(tmp_path) is tied

@@ -32,8 +32,8 @@ from cpuforge.tasks.errors import ConfigError
 log = logging.getLogger("cpuforge.sizing")
 
 # Tokens per parameter at which validation bits per byte was lowest at equal wall-clock in
-# benchmarks/size_sweep.py (stdlib demo corpus, vocab 4096, context 256, the demo's Muon recipe, 2 cores).
-# 5-minute budget, Xeon with AMX, bf16: 2.63M params on 1.5 tokens/param, val bpb 1.3165, against 1.26M on 4.5
+# benchmarks/size_sweep.py (stdlib demo corpus, vocab 4096, context 256, the demo profile's recipe, 2 cores).
+# 5-minute budget, Xeon with AMX, bf16, Muon: 2.63M params on 1.5 tokens/param, val bpb 1.3165, against 1.26M on 4.5
 # (1.3284), the 4.0M demo shape on 0.8 (1.3583) and 8.9M on 0.2 (1.5865). 1-minute budget, AVX2 EPYC, fp32
 # (AdamW then): 0.89M on 0.52 (2.281) beat 1.26M on 0.20 and 4.0M on 0.03, and its 0.37M shape (2 tokens/param)
 # did not finish, so 0.52 was a lower bound there. Far below Chinchilla's ~20: at this scale the tied
