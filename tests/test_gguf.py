@@ -24,6 +24,7 @@ from cpuforge.models.llama import Llama
 from cpuforge.models.runtime import generate
 from cpuforge.tasks.config import load_config
 from cpuforge.tasks.engine.data import BatchSampler, open_shards
+from cpuforge.tasks.engine.hardware import int8_dot_product
 from cpuforge.tasks.gguf import export_gguf
 from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.tokenize import tokenize
@@ -153,13 +154,30 @@ def test_a_tokenizer_llama_cpp_would_split_differently_is_refused(tmp_path):
 
 def llama_cpp_model(path: Path, logits_all: bool = False, f32_cache: bool = False):
     """llama.cpp with its defaults, or (f32_cache) keys and values cached in f32 rather than f16, so that
-    its logits can be compared with cpuforge's to float32 precision."""
+    its logits can be compared with cpuforge's to float32 precision.
+
+    On a CPU with AMX-INT8 the weights stay in llama.cpp's plain CPU buffers (llama-cli's --no-repack): its
+    AMX buffer type segfaults on any batch of more than one token of a Q8_0 model there (llama-cpp-python
+    0.3.36; ggml-org/llama.cpp#20824), which would take the whole test session down with it."""
     llama_cpp = pytest.importorskip(
         "llama_cpp", reason="llama.cpp is not installed: `pip install llama-cpp-python` (builds from source, "
                             "~6 min; too long for CI) to check GGUF files against llama.cpp itself")
     cache = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32} if f32_cache else {}
-    return llama_cpp.Llama(model_path=str(path), n_ctx=BLOCK, n_threads=2, logits_all=logits_all, verbose=False,
-                           **cache)
+    bindings = llama_cpp.llama_cpp  # where Llama() reads its default model parameters from
+    defaults = bindings.llama_model_default_params
+
+    def without_extra_buffers():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    if int8_dot_product() == "amx_int8":
+        bindings.llama_model_default_params = without_extra_buffers
+    try:
+        return llama_cpp.Llama(model_path=str(path), n_ctx=BLOCK, n_threads=2, logits_all=logits_all,
+                               verbose=False, **cache)
+    finally:
+        bindings.llama_model_default_params = defaults
 
 
 def llama_cpp_greedy(llm, prompt: list[int], n: int) -> list[int]:
@@ -198,7 +216,9 @@ def test_llama_cpp_computes_what_cpuforge_computes(stage_inputs, gguf_files):
 def test_llama_cpp_greedy_generation_equals_cpuforge_token_for_token(stage_inputs, gguf_files):
     tokenized, recovered = stage_inputs
     model = load_model(recovered.path("model"))
-    llm = llama_cpp_model(gguf_files["gguf_f32"])
+    # keys and values cached in f32: llama.cpp's default f16 cache moves logits by ~1e-3, enough to flip a
+    # near-tie within 40 tokens (seen on an AMX Xeon)
+    llm = llama_cpp_model(gguf_files["gguf_f32"], f32_cache=True)
     n = 40
     for prompt in prompts_of(tokenized):
         assert llama_cpp_greedy(llm, prompt, n) == list(generate(model, prompt, n)), prompt
