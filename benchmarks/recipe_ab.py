@@ -61,10 +61,8 @@ ARMS: dict[str, list[str]] = {
     "muon-wsd-zero-lr8e-3": ["optimizer=muon", "muon_lr=8e-3", *WSD, "lr=4e-3", "zero_init_residual=true"],
     "muon-wsd-zero-lr2e-3": ["optimizer=muon", "muon_lr=2e-3", *WSD, "lr=4e-3", "zero_init_residual=true"],
     # AdamW's own lr (the tied embedding and the norms) inside the Muon recipe
-    "muon-wsd-zero-lr2e-3-adam2e-3": ["optimizer=muon", "muon_lr=2e-3", *WSD, "lr=2e-3", "zero_init_residual=true"],
-    "muon-wsd-zero-lr2e-3-adam8e-3": ["optimizer=muon", "muon_lr=2e-3", *WSD, "lr=8e-3", "zero_init_residual=true"],
-    "muon-wsd-zero-lr2e-3-adam16e-3": ["optimizer=muon", "muon_lr=2e-3", *WSD, "lr=1.6e-2", "zero_init_residual=true"],
-    "muon-wsd-zero-lr2e-3-adam32e-3": ["optimizer=muon", "muon_lr=2e-3", *WSD, "lr=3.2e-2", "zero_init_residual=true"],
+    **{f"muon-wsd-zero-lr2e-3-adam{n}e-3": ["optimizer=muon", "muon_lr=2e-3", *WSD, f"lr={n}e-3",
+                                            "zero_init_residual=true"] for n in (2, 8, 16, 32)},
 }
 
 

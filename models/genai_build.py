@@ -71,7 +71,7 @@ def build_decoder(hf_folder: Path, target: Path, precision: str, metadata: dict[
             raise GenaiBuildError(f"onnxruntime_genai's builder failed on {hf_folder} ({precision}):\n"
                                   f"{(done.stdout + done.stderr)[-3000:]}")
         proto = onnx.load(str(out / "model.onnx"))  # with its external weights, saved below in one file
-        if ties_embeddings(hf_folder) and not share_int8_embedding(proto) and precision == "int8" and quantize_lm_head:
+        if precision == "int8" and quantize_lm_head and ties_embeddings(hf_folder) and not share_int8_embedding(proto):
             log.warning("the builder's int8 graph of %s keeps its tied embedding as a separate fp32 table: its "
                         "lookup or LM head is not laid out as share_int8_embedding expects", hf_folder)
         set_metadata(proto, metadata)
