@@ -26,6 +26,11 @@ section and the model that `model.size: auto` picks for --minutes on this machin
 
     nice python benchmarks/recipe_ab.py --minutes 5 --arms shipped \
         --corpus stdlib --corpus '/usr/share/vim/vim90/doc/*.txt'
+
+An arm named `BASE+key=value+...` is arm BASE with more overrides after its own (so they win), e.g.
+`shipped+lr=8e-3` is the shipped demo with AdamW's lr at 8e-3. --reuse takes the rows of an earlier
+--json table instead of training them again when corpus, overrides, steps and precision all match
+(training by max_steps is deterministic), so a new arm costs only its own minutes.
 """
 
 from __future__ import annotations
@@ -69,6 +74,14 @@ ARMS: dict[str, list[str]] = {
 # The demo profile as it ships, model shape included: `model.size: auto` picks the shape for --minutes on
 # this machine (tasks/engine/sizing.py), so this arm answers "today's demo against the shipped one".
 SHIPPED = "shipped"
+
+
+def resolve_arm(name: str, known: dict[str, list[str]]) -> list[str]:
+    """The overrides of a known arm, or of `BASE+key=value+...`: BASE's, then these (later ones win)."""
+    base, *more = name.split("+")
+    if base not in known:
+        raise SystemExit(f"unknown arm {base!r}; known: {', '.join(known)}")
+    return [*known[base], *more]
 
 
 def arm_config(arm: str, extra: list[str]):
@@ -150,6 +163,17 @@ def time_steps(arms: dict[str, list[str]], tok: Path, rounds: int, steps: int, d
     return {arm: best[step_class(extra)] for arm, extra in arms.items()}
 
 
+def train_arm(arm: str, extra: list[str], steps: int, shards, val, lengths, dtype: torch.dtype, ckpt: Path
+              ) -> float:
+    """Train one arm for exactly `steps` optimizer steps from its seed; its val bits per byte."""
+    cfg = arm_config(arm, extra)
+    model, _ = build(cfg, shards.vocab_size, dtype)
+    s = replace(settings(cfg.train, dtype, 0.0), max_steps=steps, max_minutes=None,
+                eval_interval=10**9, checkpoint_every_steps=10**9, checkpoint_every_minutes=10**9)
+    shutil.rmtree(ckpt, ignore_errors=True)  # a fresh run each time, not a resume of the last one
+    return train(model, shards.train, val, lengths, s, ckpt).val_bpb
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", action="append", help="data.source of a corpus (repeat; default: stdlib)")
@@ -167,6 +191,8 @@ def main() -> None:
     parser.add_argument("--time-only", action="store_true", help="measure step times, print them and stop")
     parser.add_argument("--workdir", default="/tmp/cpuforge-recipe-ab")
     parser.add_argument("--json", help="write the table here too")
+    parser.add_argument("--reuse", action="append", default=[],
+                        help="an earlier --json table whose matching rows are taken instead of trained (repeat)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -174,8 +200,9 @@ def main() -> None:
     trained = ["today", *(a for a in args.arms.split(",") if a != "today")]  # the yardstick of every row
     corpora = args.corpus or ["stdlib"]
     toks = {source: prepare_corpus(source, root) for source in corpora}
-    known = {**ARMS, SHIPPED: shipped_overrides(args.minutes, root / "sizing") if SHIPPED in trained else []}
-    arms = {"today": [], **{a: known[a] for a in trained}}  # today's recipe is the yardstick of the step ratio
+    wants_shipped = any(a.split("+")[0] == SHIPPED for a in trained)
+    known = {**ARMS, SHIPPED: shipped_overrides(args.minutes, root / "sizing") if wants_shipped else []}
+    arms = {"today": [], **{a: resolve_arm(a, known) for a in trained}}  # today's recipe is the yardstick of the step ratio
 
     today_cfg = arm_config("today", [])
     precision = choose_precision(args.precision, today_cfg.model.shape(open_shards(toks[corpora[0]], 256).vocab_size),
@@ -187,8 +214,12 @@ def main() -> None:
     if known_steps and known_steps.get("precision") != precision["dtype"]:
         raise SystemExit(f"{timing} was timed in {known_steps.get('precision', 'an unrecorded precision')}, this run "
                          f"trains in {precision['dtype']}: give another --timing file (or delete this one)")
-    if known_steps:
-        per_step = {arm: known_steps[arm] for arm in arms}
+    if known_steps:  # an arm the file lacks takes the time of one there whose steps do the same work
+        timed = {step_class(resolve_arm(a, known)): t for a, t in known_steps.items() if a != "precision"}
+        per_step = {arm: known_steps.get(arm, timed.get(step_class(extra))) for arm, extra in arms.items()}
+        if missing := [arm for arm, t in per_step.items() if t is None]:
+            raise SystemExit(f"{timing} has no step time for {', '.join(missing)} (nor for an arm doing the same "
+                             "work): give another --timing file (or delete this one)")
     else:
         per_step = time_steps(arms, toks[corpora[0]], args.timing_rounds, steps=3, dtype=dtype)
         if timing:
@@ -205,6 +236,11 @@ def main() -> None:
     if args.time_only:
         return
 
+    reusable = {}
+    for earlier in map(Path, args.reuse):
+        old = json.loads(earlier.read_text())
+        if (old.get("precision"), old.get("eval_batches", 32)) == (precision["dtype"], args.eval_batches):
+            reusable.update({(r["corpus"], json.dumps(r["overrides"]), r["steps"]): r for r in old["rows"]})
     table = []
     for source, tok in toks.items():
         shards = open_shards(tok, 256)
@@ -214,23 +250,21 @@ def main() -> None:
         results = {}
         for arm in trained:
             extra = arms[arm]
-            cfg = arm_config(arm, extra)
-            model, _ = build(cfg, shards.vocab_size, dtype)
-            s = replace(settings(cfg.train, dtype, 0.0), max_steps=steps[arm], max_minutes=None,
-                        eval_interval=10**9, checkpoint_every_steps=10**9, checkpoint_every_minutes=10**9)
-            ckpt = root / tok.parent.name / "runs" / arm
-            shutil.rmtree(ckpt, ignore_errors=True)  # a fresh run each time, not a resume of the last one
             t0 = time.perf_counter()
-            result = train(model, shards.train, val, lengths, s, ckpt)
-            results[arm] = result.val_bpb
-            rel = result.val_bpb / results["today"] - 1 if "today" in results else math.nan
-            print(f"  {arm:<22} steps {steps[arm]:4d}  val bpb {result.val_bpb:.4f}  {100 * rel:+6.2f}% vs today"
-                  f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+            if row := reusable.get((source, json.dumps(extra), steps[arm])):
+                results[arm], how = row["val_bpb"], "reused"
+            else:
+                results[arm], how = train_arm(arm, extra, steps[arm], shards, val, lengths, dtype,
+                                              root / tok.parent.name / "runs" / arm), None
+            rel = results[arm] / results["today"] - 1 if "today" in results else math.nan
+            print(f"  {arm:<22} steps {steps[arm]:4d}  val bpb {results[arm]:.4f}  {100 * rel:+6.2f}% vs today"
+                  f"  ({how or f'{time.perf_counter() - t0:.0f} s'})", flush=True)
             table.append({"corpus": source, "arm": arm, "overrides": extra, "step_time_ratio": round(ratio[arm], 4),
-                          "steps": steps[arm], "val_bpb": round(result.val_bpb, 4), "vs_today": round(rel, 4)})
+                          "steps": steps[arm], "val_bpb": round(results[arm], 4), "vs_today": round(rel, 4)})
     if args.json:
         Path(args.json).write_text(json.dumps({"base_tok_s": base_tok_s, "minutes": args.minutes,
-                                               "precision": precision["dtype"], "rows": table}, indent=2))
+                                               "precision": precision["dtype"], "eval_batches": args.eval_batches,
+                                               "rows": table}, indent=2))
 
 
 if __name__ == "__main__":
