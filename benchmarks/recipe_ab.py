@@ -215,7 +215,8 @@ def main() -> None:
         raise SystemExit(f"{timing} was timed in {known_steps.get('precision', 'an unrecorded precision')}, this run "
                          f"trains in {precision['dtype']}: give another --timing file (or delete this one)")
     if known_steps:  # an arm the file lacks takes the time of one there whose steps do the same work
-        timed = {step_class(resolve_arm(a, known)): t for a, t in known_steps.items() if a != "precision"}
+        timed = {step_class(resolve_arm(a, known)): t for a, t in known_steps.items()
+                 if a.split("+")[0] in known}  # ("precision", and arms this version no longer has, are not arms)
         per_step = {arm: known_steps.get(arm, timed.get(step_class(extra))) for arm, extra in arms.items()}
         if missing := [arm for arm, t in per_step.items() if t is None]:
             raise SystemExit(f"{timing} has no step time for {', '.join(missing)} (nor for an arm doing the same "
