@@ -24,13 +24,15 @@ demo profile; `today` pins the recipe the demo profile shipped with before this 
 The `shipped` arm is the demo profile as it ships now, shape included: the recipe of its train
 section and the model that `model.size: auto` picks for --minutes on this machine:
 
-    nice python benchmarks/recipe_ab.py --minutes 5 --arms shipped \
+    nice python benchmarks/recipe_ab.py --minutes 5 --arms shipped \\
         --corpus stdlib --corpus '/usr/share/vim/vim90/doc/*.txt'
 
 An arm named `BASE+key=value+...` is arm BASE with more overrides after its own (so they win), e.g.
-`shipped+lr=8e-3` is the shipped demo with AdamW's lr at 8e-3. --reuse takes the rows of an earlier
---json table instead of training them again when corpus, overrides, steps and precision all match
-(training by max_steps is deterministic), so a new arm costs only its own minutes.
+`shipped+lr=4e-3` is the shipped demo with AdamW's lr at 4e-3. --reuse takes the rows of an earlier
+--json table instead of training them again when the corpus, the resolved config, the steps, the
+precision and the validation batches all match (training by max_steps is deterministic on one
+machine and code version: reuse tables from this machine and commit), so a new arm costs only its
+own minutes.
 """
 
 from __future__ import annotations
@@ -202,7 +204,8 @@ def main() -> None:
     toks = {source: prepare_corpus(source, root) for source in corpora}
     wants_shipped = any(a.split("+")[0] == SHIPPED for a in trained)
     known = {**ARMS, SHIPPED: shipped_overrides(args.minutes, root / "sizing") if wants_shipped else []}
-    arms = {"today": [], **{a: resolve_arm(a, known) for a in trained}}  # today's recipe is the yardstick of the step ratio
+    # today's recipe is the yardstick of the step ratio
+    arms = {"today": [], **{a: resolve_arm(a, known) for a in trained}}
 
     today_cfg = arm_config("today", [])
     precision = choose_precision(args.precision, today_cfg.model.shape(open_shards(toks[corpora[0]], 256).vocab_size),
@@ -215,8 +218,10 @@ def main() -> None:
         raise SystemExit(f"{timing} was timed in {known_steps.get('precision', 'an unrecorded precision')}, this run "
                          f"trains in {precision['dtype']}: give another --timing file (or delete this one)")
     if known_steps:  # an arm the file lacks takes the time of one there whose steps do the same work
+        # ("precision", arms this version no longer has, and shipped ones when this run has no shipped arm,
+        # whose shape is then unknown, are skipped)
         timed = {step_class(resolve_arm(a, known)): t for a, t in known_steps.items()
-                 if a.split("+")[0] in known}  # ("precision", and arms this version no longer has, are not arms)
+                 if a.split("+")[0] in known and (a.split("+")[0] != SHIPPED or wants_shipped)}
         per_step = {arm: known_steps.get(arm, timed.get(step_class(extra))) for arm, extra in arms.items()}
         if missing := [arm for arm, t in per_step.items() if t is None]:
             raise SystemExit(f"{timing} has no step time for {', '.join(missing)} (nor for an arm doing the same "
@@ -237,11 +242,18 @@ def main() -> None:
     if args.time_only:
         return
 
+    def resolved(extra: list[str]) -> str:  # arms spelled differently but configured alike are one arm
+        return arm_config("", extra).model_dump_json()
+
     reusable = {}
     for earlier in map(Path, args.reuse):
         old = json.loads(earlier.read_text())
-        if (old.get("precision"), old.get("eval_batches", 32)) == (precision["dtype"], args.eval_batches):
-            reusable.update({(r["corpus"], json.dumps(r["overrides"]), r["steps"]): r for r in old["rows"]})
+        took = (old.get("precision"), old.get("eval_batches", 32))  # tables before eval_batches was recorded: 32
+        if took != (precision["dtype"], args.eval_batches):
+            print(f"--reuse {earlier}: not reused, trained in {took[0]} on {took[1]} val batches (this run: "
+                  f"{precision['dtype']}, {args.eval_batches})")
+            continue
+        reusable.update({(r["corpus"], resolved(r["overrides"]), r["steps"]): r for r in old["rows"]})
     table = []
     for source, tok in toks.items():
         shards = open_shards(tok, 256)
@@ -252,7 +264,7 @@ def main() -> None:
         for arm in trained:
             extra = arms[arm]
             t0 = time.perf_counter()
-            if row := reusable.get((source, json.dumps(extra), steps[arm])):
+            if row := reusable.get((source, resolved(extra), steps[arm])):
                 results[arm], how = row["val_bpb"], "reused"
             else:
                 results[arm], how = train_arm(arm, extra, steps[arm], shards, val, lengths, dtype,
