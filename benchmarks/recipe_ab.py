@@ -78,6 +78,11 @@ ARMS: dict[str, list[str]] = {
 SHIPPED = "shipped"
 
 
+def base_arm(name: str) -> str:
+    """`BASE` of an arm named `BASE+key=value+...` (the name itself for a plain arm)."""
+    return name.split("+")[0]
+
+
 def resolve_arm(name: str, known: dict[str, list[str]]) -> list[str]:
     """The overrides of a known arm, or of `BASE+key=value+...`: BASE's, then these (later ones win)."""
     base, *more = name.split("+")
@@ -134,6 +139,11 @@ def step_class(extra: list[str]) -> str:
     the optimizer (Muon's Newton-Schulz) and the model shape change the work."""
     cfg = arm_config("", extra)
     return f"{cfg.train.optimizer_in_use()} {cfg.model.model_dump_json()}"
+
+
+def resolved_config(extra: list[str]) -> str:
+    """An arm's whole config as JSON: arms spelled differently but configured alike are one arm."""
+    return arm_config("", extra).model_dump_json()
 
 
 def time_steps(arms: dict[str, list[str]], tok: Path, rounds: int, steps: int, dtype: torch.dtype
@@ -202,8 +212,9 @@ def main() -> None:
     trained = ["today", *(a for a in args.arms.split(",") if a != "today")]  # the yardstick of every row
     corpora = args.corpus or ["stdlib"]
     toks = {source: prepare_corpus(source, root) for source in corpora}
-    wants_shipped = any(a.split("+")[0] == SHIPPED for a in trained)
-    known = {**ARMS, SHIPPED: shipped_overrides(args.minutes, root / "sizing") if wants_shipped else []}
+    # the shipped arm's shape is the one auto sizing picks here, so it is only known when asked for
+    wants_shipped = any(base_arm(a) == SHIPPED for a in trained)
+    known = {**ARMS, **({SHIPPED: shipped_overrides(args.minutes, root / "sizing")} if wants_shipped else {})}
     # today's recipe is the yardstick of the step ratio
     arms = {"today": [], **{a: resolve_arm(a, known) for a in trained}}
 
@@ -218,10 +229,8 @@ def main() -> None:
         raise SystemExit(f"{timing} was timed in {known_steps.get('precision', 'an unrecorded precision')}, this run "
                          f"trains in {precision['dtype']}: give another --timing file (or delete this one)")
     if known_steps:  # an arm the file lacks takes the time of one there whose steps do the same work
-        # ("precision", arms this version no longer has, and shipped ones when this run has no shipped arm,
-        # whose shape is then unknown, are skipped)
-        timed = {step_class(resolve_arm(a, known)): t for a, t in known_steps.items()
-                 if a.split("+")[0] in known and (a.split("+")[0] != SHIPPED or wants_shipped)}
+        # ("precision", and arms not known to this run, are skipped)
+        timed = {step_class(resolve_arm(a, known)): t for a, t in known_steps.items() if base_arm(a) in known}
         per_step = {arm: known_steps.get(arm, timed.get(step_class(extra))) for arm, extra in arms.items()}
         if missing := [arm for arm, t in per_step.items() if t is None]:
             raise SystemExit(f"{timing} has no step time for {', '.join(missing)} (nor for an arm doing the same "
@@ -242,9 +251,6 @@ def main() -> None:
     if args.time_only:
         return
 
-    def resolved(extra: list[str]) -> str:  # arms spelled differently but configured alike are one arm
-        return arm_config("", extra).model_dump_json()
-
     reusable = {}
     for earlier in map(Path, args.reuse):
         old = json.loads(earlier.read_text())
@@ -253,7 +259,7 @@ def main() -> None:
             print(f"--reuse {earlier}: not reused, trained in {took[0]} on {took[1]} val batches (this run: "
                   f"{precision['dtype']}, {args.eval_batches})")
             continue
-        reusable.update({(r["corpus"], resolved(r["overrides"]), r["steps"]): r for r in old["rows"]})
+        reusable.update({(r["corpus"], resolved_config(r["overrides"]), r["steps"]): r for r in old["rows"]})
     table = []
     for source, tok in toks.items():
         shards = open_shards(tok, 256)
@@ -264,7 +270,7 @@ def main() -> None:
         for arm in trained:
             extra = arms[arm]
             t0 = time.perf_counter()
-            if row := reusable.get((source, resolved(extra), steps[arm])):
+            if row := reusable.get((source, resolved_config(extra), steps[arm])):
                 results[arm], how = row["val_bpb"], "reused"
             else:
                 results[arm], how = train_arm(arm, extra, steps[arm], shards, val, lengths, dtype,

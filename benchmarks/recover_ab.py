@@ -59,20 +59,19 @@ def main() -> None:
     teacher = load_model(teacher_dir)
     shards = open_shards(Path(stages["tokenize"]["output_dir"]), teacher.cfg.block_size)
     lengths = token_byte_lengths(shards.tokenizer_path)
-    cfg = load_config(config_file=Path(summary["run_dir"]) / "config.yaml")
-    torch.set_num_threads(threads_per_process(cfg.train))
-    val = val_batches(shards.val, cfg.train.eval_batches, cfg.train.batch_size, teacher.cfg.block_size)
+    run_config = Path(summary["run_dir"]) / "config.yaml"
+    train_cfg = load_config(config_file=run_config).train  # the arms change recover.* only
+    torch.set_num_threads(threads_per_process(train_cfg))
+    val = val_batches(shards.val, train_cfg.eval_batches, train_cfg.batch_size, teacher.cfg.block_size)
     _, teacher_bpb = evaluate(teacher, val, lengths)
     print(f"teacher (unpruned) val bpb {teacher_bpb:.4f} (fp32); {steps} steps per arm in {precision}")
 
     table = []
     for arm in args.arms:
-        overrides = [f"recover.{o}" for o in arm.split()]
-        cfg = load_config(config_file=Path(summary["run_dir"]) / "config.yaml", overrides=overrides)
-        r = cfg.recover
-        s = replace(recover_settings(cfg.train, r, dtype, 0.0), max_steps=steps, max_tokens=None, max_minutes=None,
+        r = load_config(config_file=run_config, overrides=[f"recover.{o}" for o in arm.split()]).recover
+        s = replace(recover_settings(train_cfg, r, dtype, 0.0), max_steps=steps, max_tokens=None, max_minutes=None,
                     eval_interval=10**9, checkpoint_every_steps=10**9, checkpoint_every_minutes=10**9)
-        torch.manual_seed(cfg.train.seed)
+        torch.manual_seed(train_cfg.seed)
         student = load_model(student_dir)
         ckpt = Path(args.workdir) / (arm.replace(" ", "_") or "as-run")
         shutil.rmtree(ckpt, ignore_errors=True)  # a fresh run, not a resume of the last one
