@@ -21,6 +21,8 @@ from cpuforge.tasks.config import AUTO, ModelConfig, TrainConfig
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, unigram_bpb
 from cpuforge.tasks.engine.sizing import explain_shape
 from cpuforge.tasks.engine.training_run import (
+    compile_metrics,
+    compile_params,
     execute,
     precision_metrics,
     precision_params,
@@ -52,7 +54,7 @@ def work(run: StageRun, model: ModelConfig, train: TrainConfig) -> StageOutput:
     if sized is not None:
         log.info("model.size=auto: %s", sized.reason)
     tracking.log_params(run.run_id, {"threads": spec.threads, "world_size": world, **precision_params(spec),
-                                     "init": init.origin if init else "scratch", **(sized.as_params() if sized else {})})
+                                     **compile_params(spec), "init": init.origin if init else "scratch", **(sized.as_params() if sized else {})})
     result = execute(spec, run.report)
     training_reports(run.out_dir)
     baseline = unigram_bpb(shards.train, shards.val, shards.vocab_size, token_byte_lengths(shards.tokenizer_path))
@@ -63,7 +65,7 @@ def work(run: StageRun, model: ModelConfig, train: TrainConfig) -> StageOutput:
         "unigram_bpb": round(baseline, 4), "peak_rss_mb": round(result.peak_rss_mb, 1),
         "seconds": round(time.perf_counter() - started, 2), "train_seconds": round(result.seconds, 2),
         "matmul_peak_gflops": round(spec.peak_flops / 1e9, 1), "world_size": world, "threads": spec.threads,
-        "flops_per_token": spec.flops_per_token, **precision_metrics(spec), **(sized.as_metrics() if sized else {}),
+        "flops_per_token": spec.flops_per_token, **precision_metrics(spec), **compile_metrics(spec), **(sized.as_metrics() if sized else {}),
     }
     write_model_card(run.out_dir / "model",
                      [*made_by(tokenized), (SPEC.name, {"model": key_config("model", model), "train": key_config("train", train)})],

@@ -17,7 +17,15 @@ from cpuforge.models.llama import config_param_count, flops_per_token
 from cpuforge.tasks import stages
 from cpuforge.tasks.config import RecoverConfig, TrainConfig
 from cpuforge.tasks.engine.data import open_shards
-from cpuforge.tasks.engine.training_run import execute, precision_metrics, precision_params, training_spec, world_size
+from cpuforge.tasks.engine.training_run import (
+    compile_metrics,
+    compile_params,
+    execute,
+    precision_metrics,
+    precision_params,
+    training_spec,
+    world_size,
+)
 from cpuforge.tasks.errors import UserError
 from cpuforge.tasks.infra import tracking
 from cpuforge.tasks.infra.stage import StageOutput, StageRun, key_config
@@ -41,7 +49,8 @@ def work(run: StageRun, recover: RecoverConfig, train: TrainConfig) -> StageOutp
                          run.tracking_uri, recover=recover, student_dir=pruned.path("model"),
                          teacher_dir=pretrained.path("model"))
     world = world_size(train)
-    tracking.log_params(run.run_id, {"threads": spec.threads, "world_size": world, **precision_params(spec)})
+    tracking.log_params(run.run_id, {"threads": spec.threads, "world_size": world, **precision_params(spec),
+                                     **compile_params(spec)})
     result = execute(spec, run.report)
     training_reports(run.out_dir)
     pretrain_tokens = pretrained.metrics.get("tokens", 0)
@@ -53,7 +62,8 @@ def work(run: StageRun, recover: RecoverConfig, train: TrainConfig) -> StageOutp
                # MFU counts the teacher's forward passes too: the step computes them
                "mfu": round(result.mfu, 4), "flops_per_token": spec.flops_per_token,
                "teacher_forward_flops_per_token": flops_per_token(teacher_cfg, backward=False),
-               "matmul_peak_gflops": round(spec.peak_flops / 1e9, 1), **precision_metrics(spec)}
+               "matmul_peak_gflops": round(spec.peak_flops / 1e9, 1), **precision_metrics(spec),
+               **compile_metrics(spec)}
     write_model_card(run.out_dir / "model", [*made_by(tokenized, pretrained, pruned),
                      (SPEC.name, {"recover": key_config("recover", recover), "train": key_config("train", train)})],
                      tokenized, metrics)

@@ -86,21 +86,25 @@ def newton_schulz_dtype(step_dtype: torch.dtype) -> torch.dtype:
 
 
 def training_step_timer(model_cfg, batch: int, optimizer: str = "adamw", teacher_cfg=None,
-                        activation_checkpointing: bool = False):
+                        activation_checkpointing: bool = False, compiled: bool = False):
     """A function dtype -> seconds of one real training step of this model shape as the run will take it:
     forward and the trainer's loss (the sliced cross-entropy; with a teacher, recovery's distillation loss
     over both models' full logits), backward (recomputing activations under activation checkpointing)
     and the run's optimizer (AdamW, or Muon for the blocks' matrices, its Newton-Schulz in the step's
-    precision), bf16 meaning autocast as the trainer runs it. Call it under the thread count being measured."""
+    precision), bf16 meaning autocast as the trainer runs it; ``compiled``: with the model's forward under
+    torch.compile, as train.compile does it (the first step compiles). Call it under the thread count being
+    measured. The function's ``model`` attribute is the model it trains."""
     from cpuforge.models.llama import Llama
     from cpuforge.tasks.engine.losses import distillation_loss, lm_loss
     from cpuforge.tasks.engine.optimizers import build_optimizer
 
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, model_cfg.vocab_size, (batch, model_cfg.block_size), generator=g)
-    y = torch.randint(0, model_cfg.vocab_size, (batch, model_cfg.block_size), generator=g)
+    xy = torch.randint(0, model_cfg.vocab_size, (batch, model_cfg.block_size + 1), generator=g)
+    x, y = xy[:, :-1], xy[:, 1:]  # views of one window, strided as the trainer's batches are (data.BatchSampler)
     model = Llama(model_cfg)
     model.activation_checkpointing = activation_checkpointing
+    if compiled:
+        model.forward = torch.compile(model.forward)  # type: ignore[method-assign]
     teacher = Llama(teacher_cfg).eval() if teacher_cfg is not None else None
     opt = build_optimizer(model, optimizer, lr=1e-5)
     # the trainer's loss: recovery's distillation (full logits and the teacher's), else lm_loss
@@ -118,6 +122,7 @@ def training_step_timer(model_cfg, batch: int, optimizer: str = "adamw", teacher
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
 
+    step.model = model  # type: ignore[attr-defined]
     return step
 
 

@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import asdict, replace
@@ -31,9 +30,11 @@ from cpuforge.models.hf_format import write_tokenizer
 from cpuforge.models.llama import Llama, flops_per_token, zero_residual_projections
 from cpuforge.tasks.config import RecoverConfig, TrainConfig
 from cpuforge.tasks.engine import sharding
+from cpuforge.tasks.engine.compile_choice import budget_seconds, choose_compile, use_inductor_cache
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.hardware import available_cores, choose_precision, matmul_peak
 from cpuforge.tasks.engine.losses import distillation_loss, lm_loss
+from cpuforge.tasks.engine.processes import stop_process_group
 from cpuforge.tasks.engine.progress import ProgressFile, budget_bar
 from cpuforge.tasks.engine.rendezvous import torchrun_command
 from cpuforge.tasks.engine.trainer import TrainSettings, train
@@ -57,6 +58,7 @@ class TrainingSpec(BaseModel):
     threads: int
     dtype: str = "float32"
     precision: dict[str, Any] = {}  # the precision decision: chosen dtype, why, tokens/s measured per dtype
+    compile: dict[str, Any] = {}  # the torch.compile decision: on or off, why, tokens/s measured each way
     peak_flops: float = 0.0  # measured matmul FLOP/s per process in `dtype`: MFU's denominator
     flops_per_token: float = 0.0
     tracking_uri: str = ""
@@ -127,7 +129,8 @@ def training_spec(kind: Literal["pretrain", "recover"], train_cfg: TrainConfig, 
                   model: LlamaConfig | None = None, recover: RecoverConfig | None = None,
                   **model_dirs: Path) -> TrainingSpec:
     """The spec of one training. The precision is decided here, once (measured A/B under
-    precision=auto), and MFU's denominator is the matmul peak of that precision."""
+    precision=auto), and MFU's denominator is the matmul peak of that precision; then whether to
+    torch.compile (a bounded, measured probe under compile=auto, whose seconds the budget pays)."""
     threads = threads_per_process(train_cfg)
     if kind == "recover":
         model_cfg, teacher_cfg = read_config(Path(model_dirs["student_dir"])), read_config(Path(model_dirs["teacher_dir"]))
@@ -137,9 +140,16 @@ def training_spec(kind: Literal["pretrain", "recover"], train_cfg: TrainConfig, 
     precision = choose_precision(train_cfg.precision, model_cfg, train_cfg.batch_size, threads, cache_dir, teacher_cfg,
                                  optimizer, train_cfg.activation_checkpointing)
     dtype = precision["dtype"]
+    limits = recover if kind == "recover" and recover is not None else train_cfg
+    budget = budget_seconds(limits.max_minutes, limits.max_steps, limits.max_tokens,
+                            train_cfg.batch_size * train_cfg.grad_accum * model_cfg.block_size,
+                            precision.get("bf16_tok_s" if dtype == "bfloat16" else "fp32_tok_s"))
+    compiled = choose_compile(train_cfg.compile, model_cfg, train_cfg.batch_size, threads, dtype, cache_dir, budget,
+                              teacher_cfg, optimizer, train_cfg.activation_checkpointing, world_size(train_cfg))
     return TrainingSpec(
         kind=kind, train=train_cfg, recover=recover, model=model if kind == "pretrain" else None,
         tokenize_dir=str(tokenize_dir), out_dir=str(out_dir), threads=threads, dtype=dtype, precision=precision,
+        compile=compiled,
         peak_flops=matmul_peak(threads, cache_dir, getattr(torch, dtype)),
         flops_per_token=training_flops_per_token(model_cfg, teacher_cfg), tracking_uri=tracking_uri, run_id=run_id,
         cache_dir=str(cache_dir), **{name: str(path) for name, path in model_dirs.items()},
@@ -156,6 +166,26 @@ def precision_metrics(spec: TrainingSpec) -> dict[str, float]:
     """The A/B's figures (tokens/s of a training step per precision), where they were measured."""
     return {f"precision_{name}_tok_s": spec.precision[f"{name}_tok_s"] for name in ("fp32", "bf16")
             if spec.precision.get(f"{name}_tok_s") is not None}
+
+
+def compile_params(spec: TrainingSpec) -> dict[str, Any]:
+    """What a training stage logs to MLflow about torch.compile: whether the step was compiled, and why."""
+    return {"compiled": bool(spec.compile.get("compile")), "compile_choice": spec.compile.get("reason", "")}
+
+
+def compile_metrics(spec: TrainingSpec) -> dict[str, float]:
+    """The compile probe's figures (tokens/s eager and compiled, the first compile's and the probe's seconds),
+    where they were measured."""
+    return {f"compile_{name}": spec.compile[name] for name in ("eager_tok_s", "compiled_tok_s", "compile_s", "probe_s")
+            if spec.compile.get(name) is not None}
+
+
+def budget_left(s: TrainSettings, spent_s: float) -> TrainSettings:
+    """The settings with a wall-clock budget less what deciding how to train already spent (the compile probe):
+    the budget is the training's wall-clock, finding out included."""
+    if not s.max_minutes or spent_s <= 0:
+        return s
+    return replace(s, max_minutes=max(s.max_minutes - spent_s / 60, 1 / 60))
 
 
 def execute(spec: TrainingSpec, report: live.Report = live.nothing) -> TrainingResult:
@@ -187,7 +217,7 @@ def _build(spec: TrainingSpec):
         student, teacher = load_model(Path(spec.student_dir)), load_model(Path(spec.teacher_dir))
         r = spec.recover
         return student, distillation_loss(teacher, r.temperature, r.kd_weight, r.lm_weight), \
-            replace(recover_settings(spec.train, r, dtype, spec.peak_flops),
+            replace(budget_left(recover_settings(spec.train, r, dtype, spec.peak_flops), spec.compile.get("probe_s", 0)),
                     flops_per_token=training_flops_per_token(student.cfg, teacher.cfg))
     assert spec.model is not None
     # Continued pretraining starts from given weights (a checkpoint found later still takes precedence).
@@ -197,7 +227,7 @@ def _build(spec: TrainingSpec):
         model = Llama(spec.model)
         if spec.train.zero_init_residual:
             zero_residual_projections(model)
-    return model, lm_loss, settings(spec.train, dtype, spec.peak_flops)
+    return model, lm_loss, budget_left(settings(spec.train, dtype, spec.peak_flops), spec.compile.get("probe_s", 0))
 
 
 def run_training(spec: TrainingSpec | dict[str, Any]) -> TrainingResult | None:
@@ -214,9 +244,9 @@ def run_training(spec: TrainingSpec | dict[str, Any]) -> TrainingResult | None:
     block = model.cfg.block_size
     shards = open_shards(Path(spec.tokenize_dir), block)
     model.activation_checkpointing = t.activation_checkpointing
-    if t.compile:
-        if spec.cache_dir:  # inductor's FX graph and autograd caches: a later run skips most of the compile
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(spec.cache_dir) / "inductor"))
+    if spec.compile.get("compile", t.compile is True):
+        if spec.cache_dir:  # inductor's FX graph and autograd caches: a later run (or auto's probe) compiled already
+            use_inductor_cache(spec.cache_dir)
         model.forward = torch.compile(model.forward)  # type: ignore[method-assign]
     out_dir = Path(spec.out_dir)
     byte_lengths = token_byte_lengths(shards.tokenizer_path)
@@ -267,18 +297,6 @@ def launch_torchrun(train_cfg: TrainConfig, spec_path: Path, rdzv_id: str) -> No
         raise
     if returncode != 0:
         raise RuntimeError(f"torchrun exited with code {returncode} (its workers' logs are above)")
-
-
-def stop_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM the process group, then SIGKILL whatever is still there after the grace period."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=grace_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def join(spec_path: Path) -> None:
