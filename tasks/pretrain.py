@@ -54,8 +54,9 @@ def work(run: StageRun, model: ModelConfig, train: TrainConfig) -> StageOutput:
     if sized is not None:
         log.info("model.size=auto: %s", sized.reason)
     tracking.log_params(run.run_id, {"threads": spec.threads, "world_size": world, **precision_params(spec),
-                                     **compile_params(spec), "init": init.origin if init else "scratch", **(sized.as_params() if sized else {})})
+                                     "init": init.origin if init else "scratch", **(sized.as_params() if sized else {})})
     result = execute(spec, run.report)
+    tracking.log_params(run.run_id, compile_params(result.compile))
     training_reports(run.out_dir)
     baseline = unigram_bpb(shards.train, shards.val, shards.vocab_size, token_byte_lengths(shards.tokenizer_path))
     metrics = {
@@ -65,7 +66,8 @@ def work(run: StageRun, model: ModelConfig, train: TrainConfig) -> StageOutput:
         "unigram_bpb": round(baseline, 4), "peak_rss_mb": round(result.peak_rss_mb, 1),
         "seconds": round(time.perf_counter() - started, 2), "train_seconds": round(result.seconds, 2),
         "matmul_peak_gflops": round(spec.peak_flops / 1e9, 1), "world_size": world, "threads": spec.threads,
-        "flops_per_token": spec.flops_per_token, **precision_metrics(spec), **compile_metrics(spec), **(sized.as_metrics() if sized else {}),
+        "flops_per_token": spec.flops_per_token, **precision_metrics(spec), **compile_metrics(result.compile),
+        **(sized.as_metrics() if sized else {}),
     }
     write_model_card(run.out_dir / "model",
                      [*made_by(tokenized), (SPEC.name, {"model": key_config("model", model), "train": key_config("train", train)})],

@@ -49,9 +49,9 @@ def work(run: StageRun, recover: RecoverConfig, train: TrainConfig) -> StageOutp
                          run.tracking_uri, recover=recover, student_dir=pruned.path("model"),
                          teacher_dir=pretrained.path("model"))
     world = world_size(train)
-    tracking.log_params(run.run_id, {"threads": spec.threads, "world_size": world, **precision_params(spec),
-                                     **compile_params(spec)})
+    tracking.log_params(run.run_id, {"threads": spec.threads, "world_size": world, **precision_params(spec)})
     result = execute(spec, run.report)
+    tracking.log_params(run.run_id, compile_params(result.compile))
     training_reports(run.out_dir)
     pretrain_tokens = pretrained.metrics.get("tokens", 0)
     metrics = {"tokens": result.tokens, "steps": result.steps, "val_loss": round(result.val_loss, 4),
@@ -63,7 +63,7 @@ def work(run: StageRun, recover: RecoverConfig, train: TrainConfig) -> StageOutp
                "mfu": round(result.mfu, 4), "flops_per_token": spec.flops_per_token,
                "teacher_forward_flops_per_token": flops_per_token(teacher_cfg, backward=False),
                "matmul_peak_gflops": round(spec.peak_flops / 1e9, 1), **precision_metrics(spec),
-               **compile_metrics(spec)}
+               **compile_metrics(result.compile)}
     write_model_card(run.out_dir / "model", [*made_by(tokenized, pretrained, pruned),
                      (SPEC.name, {"recover": key_config("recover", recover), "train": key_config("train", train)})],
                      tokenized, metrics)

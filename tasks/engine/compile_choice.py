@@ -1,11 +1,11 @@
 """train.compile=auto: torch.compile the model only where it is measured to pay within the run's budget.
 
 What compiling is worth differs by CPU far more than by model: on an AMX Xeon the demo's bf16 step
-ran 1.33-1.41x faster after a 29 s compile (3 s once inductor's cache holds the graphs); on an
-AVX2-only machine the same step gained 1.07x for 169 s of compiling. So 'auto' measures it, with a
+measured 1.31-1.53x faster after a 26-41 s compile (3 s once inductor's cache holds the graphs); on
+an AVX2-only machine the same step gained 1.07x for 169 s of compiling. So 'auto' measures it, with a
 bounded cost: a child process compiles and times the run's own training step (the same loss,
-optimizer and precision, plus one evaluation pass) and is stopped if it has not finished within
-PROBE_SHARE of the training budget, which then loses that time and nothing else. The child writes
+optimizer, precision and batch layout) and is stopped if it has not finished within PROBE_SHARE of
+the training budget (at most MAX_PROBE_S), which then loses that time and nothing else. The child writes
 its graphs to the work folder's inductor cache, so the training that follows compiles in seconds;
 the decision is cached per (CPU, threads, model shape, batch, step, precision, torch version), so a
 later run on this machine decides for free.
@@ -64,14 +64,14 @@ def budget_seconds(max_minutes: float | None, max_steps: int | None, max_tokens:
     return min(limits) if limits else None
 
 
-def off(reason: str, **figures: Any) -> dict[str, Any]:
+def _eager(reason: str, **figures: Any) -> dict[str, Any]:
     return {"compile": False, "reason": reason, "eager_tok_s": None, "compiled_tok_s": None, "compile_s": None,
             "probe_s": 0.0, **figures}
 
 
 def _unprobed(reason: str) -> dict[str, Any]:
     log.info("compile off: %s", reason)
-    return off(reason)
+    return _eager(reason)
 
 
 def choose_compile(requested: bool | str, model_cfg, batch: int, threads: int, dtype: str, cache_dir: Path,
@@ -81,7 +81,7 @@ def choose_compile(requested: bool | str, model_cfg, batch: int, threads: int, d
     "compile_s", "probe_s"} (figures None where not measured; probe_s: wall-clock this call spent,
     which the caller takes from the training budget)."""
     if requested is True or requested is False:
-        return off(f"train.compile={str(requested).lower()}") | {"compile": requested}
+        return _eager(f"train.compile={str(requested).lower()}") | {"compile": requested}
     if world > 1:
         return _unprobed("not measured under torchrun: compile=auto stays eager with several processes "
                          "(train.compile=true compiles in each)")
@@ -104,18 +104,23 @@ def choose_compile(requested: bool | str, model_cfg, batch: int, threads: int, d
         log.info("compile %s (cached: %s)", "on" if cached["compile"] else "off", cached["reason"])
         return {**cached, "probe_s": 0.0}
     started = time.perf_counter()
-    decision = _probe(model_cfg, batch, threads, dtype, cache_dir, allowance, teacher_cfg, optimizer,
-                      activation_checkpointing)
+    decision, lasting = _probe(model_cfg, batch, threads, dtype, cache_dir, allowance, teacher_cfg, optimizer,
+                               activation_checkpointing)
     decision["probe_s"] = round(time.perf_counter() - started, 1)
     log.info("compile %s: %s", "on" if decision["compile"] else "off", decision["reason"])
-    from cpuforge.models.fileio import atomic_write_json
+    if lasting:  # a measurement, a timeout or a compiler that does not work; not a crash that may not recur
+        from cpuforge.models.fileio import atomic_write_json
 
-    atomic_write_json(cache, {**known, key: {k: v for k, v in decision.items() if k != "probe_s"}})
+        atomic_write_json(cache, {**known, key: {k: v for k, v in decision.items() if k != "probe_s"}})
     return decision
 
 
+COMPILER_ERRORS = re.compile(r"InvalidCxxCompiler|CppCompileError|InductorError|BackendCompilerFailed")
+
+
 def _probe(model_cfg, batch: int, threads: int, dtype: str, cache_dir: Path, allowance: float, teacher_cfg,
-           optimizer: str, activation_checkpointing: bool) -> dict[str, Any]:
+           optimizer: str, activation_checkpointing: bool) -> tuple[dict[str, Any], bool]:
+    """(the decision, whether it holds for later runs) from the child, stopped after ``allowance`` seconds."""
     with tempfile.TemporaryDirectory(prefix="cpuforge-compile-") as tmp:
         args, result = Path(tmp) / "args.json", Path(tmp) / "result.json"
         args.write_text(json.dumps({
@@ -124,25 +129,38 @@ def _probe(model_cfg, batch: int, threads: int, dtype: str, cache_dir: Path, all
             "activation_checkpointing": activation_checkpointing}))
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache_dir(cache_dir)),
                "OMP_NUM_THREADS": str(threads)}
-        # A session of its own: on timeout the child and inductor's compile workers all stop.
+        # A session of its own: stopped, the child and inductor's compile workers all stop.
         proc = subprocess.Popen([sys.executable, "-m", __name__, str(args), str(result)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             _, stderr = proc.communicate(timeout=allowance)
         except subprocess.TimeoutExpired:
-            stop_process_group(proc, grace_s=5.0)
-            proc.communicate()  # reaped: close its pipe
-            return off(f"compiling did not finish within {allowance:.0f} s ({PROBE_SHARE:.0%} of the budget): "
-                       "stayed eager", timed_out_s=round(allowance, 1))
-        if proc.returncode != 0 or not result.is_file():
-            return off(f"torch.compile failed on this machine ({_error_line(stderr, proc.returncode)}): stayed eager")
+            stderr = _stop(proc)
+            if not result.is_file():
+                return _eager(f"compiling did not finish within {allowance:.0f} s ({PROBE_SHARE:.0%} of the budget, "
+                              f"at most {MAX_PROBE_S:.0f} s): stayed eager", timed_out_s=round(allowance, 1)), True
+        except BaseException:  # interrupted or cancelled: the child must not compile on, unseen, on every core
+            _stop(proc)
+            raise
+        if not result.is_file():
+            error = _error_line(stderr, proc.returncode)
+            return _eager(f"torch.compile failed on this machine ({error}): stayed eager"), bool(COMPILER_ERRORS.search(error))
         figures = json.loads(result.read_text())
     gain = figures["compiled_tok_s"] / figures["eager_tok_s"]
     verdict = gain >= COMPILE_MIN_GAIN
     return {"compile": verdict, **figures, "probe_s": 0.0,
             "reason": f"measured training step: compiled {figures['compiled_tok_s']:.0f} tok/s vs eager "
                       f"{figures['eager_tok_s']:.0f} tok/s ({gain:.2f}x; compile needs >= {COMPILE_MIN_GAIN:g}x), "
-                      f"first compile {figures['compile_s']:.0f} s"}
+                      f"first compile {figures['compile_s']:.0f} s"}, True
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    """Stop the child's process group; what it had written to stderr."""
+    stop_process_group(proc, grace_s=5.0)
+    try:
+        return proc.communicate(timeout=5.0)[1] or ""
+    except subprocess.TimeoutExpired:  # something of the group still holds the pipe
+        return ""
 
 
 def _error_line(stderr: str, returncode: int) -> str:
@@ -154,10 +172,9 @@ def _error_line(stderr: str, returncode: int) -> str:
 
 def measure(model: dict, teacher: dict | None, batch: int, threads: int, dtype: str, optimizer: str,
             activation_checkpointing: bool) -> dict[str, float]:
-    """The child's work: compile the step (and an evaluation pass, which the trainer compiles too), then time
-    eager and compiled steps in alternation; tokens/s of each and the first compile's seconds."""
+    """The child's work: compile the step, then time eager and compiled steps in alternation; tokens/s of
+    each and the first compile's seconds. (Evaluation passes are not compiled: trainer.evaluate runs eager.)"""
     from cpuforge.models.config import LlamaConfig
-    from cpuforge.tasks.engine.trainer import evaluate
 
     torch.set_num_threads(threads)
     model_cfg = LlamaConfig.from_dict(model)
@@ -165,12 +182,7 @@ def measure(model: dict, teacher: dict | None, batch: int, threads: int, dtype: 
     step_dtype = getattr(torch, dtype)
     eager, compiled = (training_step_timer(model_cfg, batch, optimizer, teacher_cfg, activation_checkpointing,
                                            compiled=c) for c in (False, True))
-    started = time.perf_counter()
-    compiled(step_dtype)
-    xy = torch.zeros(batch, model_cfg.block_size + 1, dtype=torch.long)  # laid out as data.val_batches' are
-    evaluate(compiled.model, [(xy[:, :-1], xy[:, 1:])], torch.ones(model_cfg.vocab_size, dtype=torch.int64).numpy(),
-             step_dtype)
-    compile_s = time.perf_counter() - started
+    compile_s = compiled(step_dtype)
     eager(step_dtype)  # warm-up
     best = {"eager": float("inf"), "compiled": float("inf")}
     for _ in range(AB_ROUNDS + 1):

@@ -93,7 +93,7 @@ def training_step_timer(model_cfg, batch: int, optimizer: str = "adamw", teacher
     and the run's optimizer (AdamW, or Muon for the blocks' matrices, its Newton-Schulz in the step's
     precision), bf16 meaning autocast as the trainer runs it; ``compiled``: with the model's forward under
     torch.compile, as train.compile does it (the first step compiles). Call it under the thread count being
-    measured. The function's ``model`` attribute is the model it trains."""
+    measured."""
     from cpuforge.models.llama import Llama
     from cpuforge.tasks.engine.losses import distillation_loss, lm_loss
     from cpuforge.tasks.engine.optimizers import build_optimizer
@@ -122,7 +122,6 @@ def training_step_timer(model_cfg, batch: int, optimizer: str = "adamw", teacher
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
 
-    step.model = model  # type: ignore[attr-defined]
     return step
 
 

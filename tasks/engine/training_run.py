@@ -82,6 +82,7 @@ class TrainingResult(BaseModel):
     val_bpb: float
     peak_rss_mb: float
     resumed_from: int | None = None
+    compile: dict[str, Any] = {}  # the torch.compile decision it trained under (compile_params, compile_metrics)
 
 
 def threads_per_process(train_cfg: TrainConfig) -> int:
@@ -124,36 +125,50 @@ def training_flops_per_token(model_cfg: LlamaConfig, teacher_cfg: LlamaConfig | 
     return flops + flops_per_token(teacher_cfg, backward=False) if teacher_cfg is not None else flops
 
 
+def _shapes(kind: str, model: LlamaConfig | None, student_dir: str | Path | None = None,
+            teacher_dir: str | Path | None = None) -> tuple[LlamaConfig, LlamaConfig | None]:
+    """(the trained model's config, the teacher's or None) of a training."""
+    if kind == "recover":
+        return read_config(Path(student_dir)), read_config(Path(teacher_dir))
+    return model, None
+
+
 def training_spec(kind: Literal["pretrain", "recover"], train_cfg: TrainConfig, tokenize_dir: Path | str,
                   out_dir: Path, run_id: str | None, cache_dir: Path, tracking_uri: str = "", *,
                   model: LlamaConfig | None = None, recover: RecoverConfig | None = None,
                   **model_dirs: Path) -> TrainingSpec:
     """The spec of one training. The precision is decided here, once (measured A/B under
-    precision=auto), and MFU's denominator is the matmul peak of that precision; then whether to
-    torch.compile (a bounded, measured probe under compile=auto, whose seconds the budget pays)."""
+    precision=auto), and MFU's denominator is the matmul peak of that precision. Whether to
+    torch.compile is decided by ``execute``, under the training slot (decide_compile)."""
     threads = threads_per_process(train_cfg)
-    if kind == "recover":
-        model_cfg, teacher_cfg = read_config(Path(model_dirs["student_dir"])), read_config(Path(model_dirs["teacher_dir"]))
-    else:
-        model_cfg, teacher_cfg = model, None
+    model_cfg, teacher_cfg = _shapes(kind, model, model_dirs.get("student_dir"), model_dirs.get("teacher_dir"))
     optimizer = RECOVER_OPTIMIZER if kind == "recover" else train_cfg.optimizer_in_use()
     precision = choose_precision(train_cfg.precision, model_cfg, train_cfg.batch_size, threads, cache_dir, teacher_cfg,
                                  optimizer, train_cfg.activation_checkpointing)
     dtype = precision["dtype"]
-    limits = recover if kind == "recover" and recover is not None else train_cfg
-    budget = budget_seconds(limits.max_minutes, limits.max_steps, limits.max_tokens,
-                            train_cfg.batch_size * train_cfg.grad_accum * model_cfg.block_size,
-                            precision.get("bf16_tok_s" if dtype == "bfloat16" else "fp32_tok_s"))
-    compiled = choose_compile(train_cfg.compile, model_cfg, train_cfg.batch_size, threads, dtype, cache_dir, budget,
-                              teacher_cfg, optimizer, train_cfg.activation_checkpointing, world_size(train_cfg))
     return TrainingSpec(
         kind=kind, train=train_cfg, recover=recover, model=model if kind == "pretrain" else None,
         tokenize_dir=str(tokenize_dir), out_dir=str(out_dir), threads=threads, dtype=dtype, precision=precision,
-        compile=compiled,
         peak_flops=matmul_peak(threads, cache_dir, getattr(torch, dtype)),
         flops_per_token=training_flops_per_token(model_cfg, teacher_cfg), tracking_uri=tracking_uri, run_id=run_id,
         cache_dir=str(cache_dir), **{name: str(path) for name, path in model_dirs.items()},
     )
+
+
+def decide_compile(spec: TrainingSpec) -> TrainingSpec:
+    """The spec with its torch.compile decision (compile_choice.choose_compile): train.compile as set, or
+    under 'auto' a bounded probe of this step, whose seconds the wall-clock budget pays (budget_left).
+    The step's rate from the precision A/B tells how long a step or token budget will take."""
+    t = spec.train
+    model_cfg, teacher_cfg = _shapes(spec.kind, spec.model, spec.student_dir, spec.teacher_dir)
+    limits = spec.recover if spec.kind == "recover" and spec.recover is not None else t
+    budget = budget_seconds(limits.max_minutes, limits.max_steps, limits.max_tokens,
+                            t.batch_size * t.grad_accum * model_cfg.block_size,
+                            spec.precision.get("bf16_tok_s" if spec.dtype == "bfloat16" else "fp32_tok_s"))
+    optimizer = RECOVER_OPTIMIZER if spec.kind == "recover" else t.optimizer_in_use()
+    decision = choose_compile(t.compile, model_cfg, t.batch_size, spec.threads, spec.dtype, Path(spec.cache_dir),
+                              budget, teacher_cfg, optimizer, t.activation_checkpointing, world_size(t))
+    return spec.model_copy(update={"compile": decision})
 
 
 def precision_params(spec: TrainingSpec) -> dict[str, Any]:
@@ -168,16 +183,18 @@ def precision_metrics(spec: TrainingSpec) -> dict[str, float]:
             if spec.precision.get(f"{name}_tok_s") is not None}
 
 
-def compile_params(spec: TrainingSpec) -> dict[str, Any]:
-    """What a training stage logs to MLflow about torch.compile: whether the step was compiled, and why."""
-    return {"compiled": bool(spec.compile.get("compile")), "compile_choice": spec.compile.get("reason", "")}
+def compile_params(decision: dict[str, Any]) -> dict[str, Any]:
+    """What a training stage logs to MLflow about torch.compile (TrainingResult.compile): whether the step
+    was compiled, and why."""
+    return {"compiled": bool(decision.get("compile")), "compile_choice": decision.get("reason", "")}
 
 
-def compile_metrics(spec: TrainingSpec) -> dict[str, float]:
-    """The compile probe's figures (tokens/s eager and compiled, the first compile's and the probe's seconds),
-    where they were measured."""
-    return {f"compile_{name}": spec.compile[name] for name in ("eager_tok_s", "compiled_tok_s", "compile_s", "probe_s")
-            if spec.compile.get(name) is not None}
+def compile_metrics(decision: dict[str, Any]) -> dict[str, float]:
+    """The figures the compile decision rests on (tokens/s eager and compiled, the first compile's seconds;
+    measured once per machine and shape, then cached), and the seconds this run's probe took, where it ran."""
+    figures = {f"compile_{name}": decision[name] for name in ("eager_tok_s", "compiled_tok_s", "compile_s")
+               if decision.get(name) is not None}
+    return figures | ({"compile_probe_s": decision["probe_s"]} if decision.get("probe_s") else {})
 
 
 def budget_left(s: TrainSettings, spent_s: float) -> TrainSettings:
@@ -196,6 +213,8 @@ def execute(spec: TrainingSpec, report: live.Report = live.nothing) -> TrainingR
     progress = out_dir / PROGRESS_FILE
     progress.unlink(missing_ok=True)  # an interrupted attempt's: this one reports afresh
     with training_slot(f"{spec.kind} {out_dir.name}"), live.watch_progress_file(progress, report):
+        if not spec.compile:  # under the slot: a probe timed beside another training would be slow, and cached
+            spec = decide_compile(spec)
         if world_size(spec.train) > 1:
             # The stage's folder (stage name and key) names the rendezvous: the same on every machine,
             # and another stage or config never joins it by mistake.
@@ -277,7 +296,7 @@ def run_training(spec: TrainingSpec | dict[str, Any]) -> TrainingResult | None:
     save_model(model, out_dir / "model", extra={"dtype": spec.dtype}, weights=weights)
     write_tokenizer(out_dir / "model", shards.tokenizer_path, shards.meta["eod_token"], shards.eod_id)
     atomic_write_text(out_dir / "history.jsonl", "".join(json.dumps(h) + "\n" for h in result.history))
-    summary = TrainingResult(**{k: v for k, v in asdict(result).items() if k != "history"})
+    summary = TrainingResult(**{k: v for k, v in asdict(result).items() if k != "history"}, compile=spec.compile)
     atomic_write_text(out_dir / "result.json", summary.model_dump_json(indent=2))
     return summary
 
