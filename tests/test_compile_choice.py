@@ -71,6 +71,26 @@ def test_a_probe_out_of_time_is_stopped_and_remembered(tmp_path, monkeypatch):
     assert choose_compile("auto", SMALL, 2, 1, "float32", tmp_path, budget_s=20.0)["compile"]
 
 
+def test_an_interrupted_probe_stops_its_child_and_decides_nothing(tmp_path, monkeypatch):
+    started = []
+
+    class InterruptedWhileWaiting(subprocess.Popen):  # Ctrl-C, or a cancelled stage, while the child compiles
+        def communicate(self, input=None, timeout=None):
+            if timeout is not None and timeout >= compile_choice.MIN_PROBE_S:
+                started.append(self)
+                raise KeyboardInterrupt
+            return super().communicate(input, timeout)
+
+    monkeypatch.setattr(subprocess, "Popen", InterruptedWhileWaiting)
+    with pytest.raises(KeyboardInterrupt):
+        choose_compile("auto", SMALL, 2, 1, "float32", tmp_path, budget_s=3600.0)
+    (proc,) = started
+    assert proc.poll() is not None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
+    assert not (tmp_path / compile_choice.CACHE_FILE).exists()
+
+
 def test_a_machine_that_cannot_compile_trains_eager_and_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))  # inductor needs a C++ compiler, slim images lack one
     decision = choose_compile("auto", SMALL, 2, 1, "float32", tmp_path, budget_s=3600.0)

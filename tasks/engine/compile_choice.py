@@ -103,6 +103,8 @@ def choose_compile(requested: bool | str, model_cfg, batch: int, threads: int, d
     if cached is not None and not (cached.get("timed_out_s") and allowance > 1.5 * cached["timed_out_s"]):
         log.info("compile %s (cached: %s)", "on" if cached["compile"] else "off", cached["reason"])
         return {**cached, "probe_s": 0.0}
+    log.info("compile=auto: compiling this training step in a child process and timing it against eager "
+             "(at most %.0f s of the %.0f s budget, once per machine and shape)", allowance, budget_s)
     started = time.perf_counter()
     decision, lasting = _probe(model_cfg, batch, threads, dtype, cache_dir, allowance, teacher_cfg, optimizer,
                                activation_checkpointing)
