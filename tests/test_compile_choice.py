@@ -106,7 +106,8 @@ def test_a_machine_that_cannot_compile_trains_eager_and_says_why(tmp_path, monke
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="torch.compile needs a C++ compiler")
-def test_the_probe_measures_the_real_step_and_the_training_compiles_from_its_graphs(shards, tmp_path, monkeypatch):  # noqa: F811
+def test_the_probe_measures_the_real_step_and_the_training_compiles_from_its_graphs(
+        shards, tmp_path, monkeypatch):  # noqa: F811
     from torch._dynamo.utils import counters
 
     cache = tmp_path / "cache"

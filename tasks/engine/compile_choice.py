@@ -146,7 +146,8 @@ def _probe(model_cfg, batch: int, threads: int, dtype: str, cache_dir: Path, all
             raise
         if not result.is_file():
             error = _error_line(stderr, proc.returncode)
-            return _eager(f"torch.compile failed on this machine ({error}): stayed eager"), bool(COMPILER_ERRORS.search(error))
+            lasting = bool(COMPILER_ERRORS.search(error))
+            return _eager(f"torch.compile failed on this machine ({error}): stayed eager"), lasting
         figures = json.loads(result.read_text())
     gain = figures["compiled_tok_s"] / figures["eager_tok_s"]
     verdict = gain >= COMPILE_MIN_GAIN

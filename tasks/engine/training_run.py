@@ -235,9 +235,9 @@ def _build(spec: TrainingSpec):
         assert spec.recover is not None and spec.student_dir and spec.teacher_dir
         student, teacher = load_model(Path(spec.student_dir)), load_model(Path(spec.teacher_dir))
         r = spec.recover
+        recover = budget_left(recover_settings(spec.train, r, dtype, spec.peak_flops), spec.compile.get("probe_s", 0))
         return student, distillation_loss(teacher, r.temperature, r.kd_weight, r.lm_weight), \
-            replace(budget_left(recover_settings(spec.train, r, dtype, spec.peak_flops), spec.compile.get("probe_s", 0)),
-                    flops_per_token=training_flops_per_token(student.cfg, teacher.cfg))
+            replace(recover, flops_per_token=training_flops_per_token(student.cfg, teacher.cfg))
     assert spec.model is not None
     # Continued pretraining starts from given weights (a checkpoint found later still takes precedence).
     if spec.init_dir:
