@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from cpuforge.tasks.engine.hardware import AB_ROUNDS, cpu_model, step_signature, training_step_timer
+from cpuforge.tasks.engine.hardware import AB_ROUNDS, step_key, training_step_timer
 from cpuforge.tasks.engine.processes import stop_process_group
 
 log = logging.getLogger("cpuforge.compile")
@@ -92,10 +92,7 @@ def choose_compile(requested: bool | str, model_cfg, batch: int, threads: int, d
     if allowance < MIN_PROBE_S:
         return _unprobed(f"a {budget_s:.0f} s budget cannot repay a compile (probing would take up to "
                          f"{MIN_PROBE_S:.0f} s of it): not probed")
-    shape = json.dumps(model_cfg.to_dict(), sort_keys=True)
-    teacher = json.dumps(teacher_cfg.to_dict(), sort_keys=True) if teacher_cfg is not None else "-"
-    key = (f"{cpu_model()}|{threads}|{shape}|{teacher}|{batch}|{step_signature(optimizer, activation_checkpointing)}"
-           f"|{dtype}|{torch.__version__}")
+    key = f"{step_key(model_cfg, batch, threads, teacher_cfg, optimizer, activation_checkpointing)}|{dtype}"
     cache = cache_dir / CACHE_FILE
     known = json.loads(cache.read_text()) if cache.is_file() else {}
     cached = known.get(key)

@@ -130,6 +130,16 @@ def step_signature(optimizer: str, activation_checkpointing: bool) -> str:
     return optimizer + ("|recompute" if activation_checkpointing else "")
 
 
+def step_key(model_cfg, batch: int, threads: int, teacher_cfg=None, optimizer: str = "adamw",
+             activation_checkpointing: bool = False) -> str:
+    """A measurement cache's key for one training step on this machine: CPU, threads, the model's and the
+    teacher's shapes, batch, optimizer and recompute, torch version."""
+    shape = json.dumps(model_cfg.to_dict(), sort_keys=True)
+    teacher = json.dumps(teacher_cfg.to_dict(), sort_keys=True) if teacher_cfg is not None else "-"
+    step = step_signature(optimizer, activation_checkpointing)
+    return f"{cpu_model()}|{threads}|{shape}|{teacher}|{batch}|{step}|{torch.__version__}"
+
+
 def time_training_steps(model_cfg, batch: int, threads: int, dtypes: tuple[torch.dtype, ...],
                         teacher_cfg=None, rounds: int = AB_ROUNDS, optimizer: str = "adamw",
                         activation_checkpointing: bool = False) -> dict[torch.dtype, float]:
@@ -172,10 +182,7 @@ def choose_precision(requested: str, model_cfg=None, batch: int = 0, threads: in
         return {"dtype": "bfloat16", "reason": "train.precision=bf16", "fp32_tok_s": None, "bf16_tok_s": None}
     if model_cfg is None or batch <= 0:
         raise ValueError("train.precision=auto measures a training step: give the model config and the batch size")
-    shape = json.dumps(model_cfg.to_dict(), sort_keys=True)
-    teacher = json.dumps(teacher_cfg.to_dict(), sort_keys=True) if teacher_cfg is not None else "-"
-    step = step_signature(optimizer, activation_checkpointing)
-    key = f"{cpu_model()}|{threads}|{shape}|{teacher}|{batch}|{step}|{torch.__version__}"
+    key = step_key(model_cfg, batch, threads, teacher_cfg, optimizer, activation_checkpointing)
     cache = cache_dir / "precision.json" if cache_dir is not None else None
     known = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
     if key in known:

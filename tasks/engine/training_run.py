@@ -133,6 +133,11 @@ def _shapes(kind: str, model: LlamaConfig | None, student_dir: str | Path | None
     return model, None
 
 
+def step_optimizer(kind: str, train_cfg: TrainConfig) -> str:
+    """The optimizer a training's step runs: recovery keeps AdamW (recover_settings), pretraining train.optimizer."""
+    return RECOVER_OPTIMIZER if kind == "recover" else train_cfg.optimizer_in_use()
+
+
 def training_spec(kind: Literal["pretrain", "recover"], train_cfg: TrainConfig, tokenize_dir: Path | str,
                   out_dir: Path, run_id: str | None, cache_dir: Path, tracking_uri: str = "", *,
                   model: LlamaConfig | None = None, recover: RecoverConfig | None = None,
@@ -142,7 +147,7 @@ def training_spec(kind: Literal["pretrain", "recover"], train_cfg: TrainConfig, 
     torch.compile is decided by ``execute``, under the training slot (decide_compile)."""
     threads = threads_per_process(train_cfg)
     model_cfg, teacher_cfg = _shapes(kind, model, model_dirs.get("student_dir"), model_dirs.get("teacher_dir"))
-    optimizer = RECOVER_OPTIMIZER if kind == "recover" else train_cfg.optimizer_in_use()
+    optimizer = step_optimizer(kind, train_cfg)
     precision = choose_precision(train_cfg.precision, model_cfg, train_cfg.batch_size, threads, cache_dir, teacher_cfg,
                                  optimizer, train_cfg.activation_checkpointing)
     dtype = precision["dtype"]
@@ -165,7 +170,7 @@ def decide_compile(spec: TrainingSpec) -> TrainingSpec:
     budget = budget_seconds(limits.max_minutes, limits.max_steps, limits.max_tokens,
                             t.batch_size * t.grad_accum * model_cfg.block_size,
                             spec.precision.get("bf16_tok_s" if spec.dtype == "bfloat16" else "fp32_tok_s"))
-    optimizer = RECOVER_OPTIMIZER if spec.kind == "recover" else t.optimizer_in_use()
+    optimizer = step_optimizer(spec.kind, t)
     decision = choose_compile(t.compile, model_cfg, t.batch_size, spec.threads, spec.dtype, Path(spec.cache_dir),
                               budget, teacher_cfg, optimizer, t.activation_checkpointing, world_size(t))
     return spec.model_copy(update={"compile": decision})
