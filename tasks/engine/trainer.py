@@ -38,6 +38,7 @@ from cpuforge.tasks.engine.data import BatchSampler, bits_per_byte
 from cpuforge.tasks.engine.hardware import newton_schulz_dtype, peak_rss_mb
 from cpuforge.tasks.engine.losses import lm_loss
 from cpuforge.tasks.engine.optimizers import build_optimizer
+from cpuforge.tasks.engine.stop_signals import StopSignals
 
 log = logging.getLogger("cpuforge.trainer")
 
@@ -165,15 +166,17 @@ def train(
     run.resume()
     run.shard()
     final = run.out_of_budget()  # resumed from the last checkpoint: nothing left to do
-    while not final:
-        record = run.step()
-        run.probe_horizon()
-        final = run.out_of_budget()
-        run.evaluate(record, due=run.step_count % s.eval_interval == 0 or final)
-        run.history.append(record)
-        if run.is_main:
-            run.report(record, log_metrics, on_progress)
-        run.checkpoint(final)
+    with StopSignals() as stops:  # a SIGTERM that torch.compile's guards swallow still stops the run
+        while not final:
+            record = run.step()
+            stops.raise_pending()
+            run.probe_horizon()
+            final = run.out_of_budget()
+            run.evaluate(record, due=run.step_count % s.eval_interval == 0 or final)
+            run.history.append(record)
+            if run.is_main:
+                run.report(record, log_metrics, on_progress)
+            run.checkpoint(final)
     return run.finish()
 
 
