@@ -39,8 +39,8 @@ def test_auto_stays_eager_without_probing_where_a_compile_cannot_pay(shards, tmp
     assert choose_compile(True, SMALL, 2, 1, "float32", tmp_path, budget_s=None)["compile"] is True
     assert not (tmp_path / compile_choice.CACHE_FILE).exists()
     # The tiny profile as a run decides: its 30 steps at the measured rate are seconds.
-    tiny = load_config("tiny", overrides=["train.compile=auto"])
-    assert load_config("tiny").train.compile is load_config("demo").train.compile is False  # opt-in, docs/training
+    tiny = load_config("tiny")
+    assert tiny.train.compile == load_config("demo").train.compile == "auto"
     spec = training_run.training_spec("pretrain", tiny.train, shards, tmp_path / "out", "", tmp_path / "cache",
                                       model=tiny.model.shape(512))
     decision = training_run.decide_compile(spec).compile
@@ -137,8 +137,7 @@ def test_the_probe_measures_the_real_step_and_the_training_compiles_from_its_gra
 
 def test_the_probes_seconds_come_out_of_the_wall_clock_budget(shards, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setattr(compile_choice, "_probe", lambda *a: ({"compile": False, "reason": "measured"}, True))
-    cfg = load_config("tiny", overrides=["train.max_steps=null", "train.max_minutes=5", "train.precision=fp32",
-                                      "train.compile=auto"])
+    cfg = load_config("tiny", overrides=["train.max_steps=null", "train.max_minutes=5", "train.precision=fp32"])
     spec = training_run.decide_compile(training_run.training_spec(
         "pretrain", cfg.train, shards, tmp_path / "out", "", tmp_path / "cache", model=cfg.model.shape(512)))
     assert training_run.compile_params(spec.compile) == {"compiled": False, "compile_choice": "measured"}
