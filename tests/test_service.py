@@ -241,7 +241,9 @@ def test_a_cancelled_run_stops_training_promptly_and_keeps_a_usable_checkpoint(s
     run_id = trigger(stack, "cpuforge-pipeline/tiny", {
         "data_source": str(text_corpus), "workdir": str(workdir),
         "overrides": ["train.max_steps=100000", "train.max_minutes=10", "train.checkpoint_every_steps=10",
-                      "train.compile=false"]})  # a 10-minute budget would be worth a compile probe first
+                      # compiled, as auto would pick on a fast machine, without the probe a 10-minute budget
+                      # would take first: Prefect must still acknowledge the cancel (tasks/engine/stop_signals.py)
+                      "train.compile=true"]})
     deadline = time.monotonic() + 300
     while not list(workdir.glob("stages/pretrain-*.partial/checkpoints/step-*")):
         assert time.monotonic() < deadline, f"no checkpoint after 300 s\n{_logs(stack['state'])}"
