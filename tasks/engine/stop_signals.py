@@ -53,7 +53,9 @@ class StopSignals:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  traceback: TracebackType | None) -> None:
         if self.pipe is not None:
-            signal.set_wakeup_fd(-1)
+            current = signal.set_wakeup_fd(-1)
+            if current != self.pipe[1]:  # taken since (an asyncio loop's signal handlers): it stays theirs
+                signal.set_wakeup_fd(current)
             for fd in self.pipe:
                 os.close(fd)
             self.pipe = None
