@@ -15,6 +15,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -24,6 +25,7 @@ from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import Llama
 from cpuforge.tasks.config import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, unigram_bpb
+from cpuforge.tasks.engine.hardware import peak_rss_mb
 from cpuforge.tasks.engine.trainer import lr_at
 from cpuforge.tasks.engine.training_run import TrainingSpec, launch_torchrun, run_training, settings
 from cpuforge.tasks.errors import DataError, UserError
@@ -70,6 +72,21 @@ def test_training_learns_and_reports(shards, tmp_path):
     assert result["tokens_per_s"] > 0 and 0 < result["mfu"] < 1 and result["peak_rss_mb"] > 50
     assert (tmp_path / "run" / "model" / "model.safetensors").is_file()
     assert (tmp_path / "run" / "model" / "tokenizer.json").is_file()
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="the peak RSS cannot be reset here")
+def test_a_trainings_peak_memory_is_its_own_not_the_process_s(shards, tmp_path):
+    # In a run, model.size=auto times bigger shapes in the same process before training starts.
+    def rss_mb() -> float:
+        status = Path("/proc/self/status").read_text()
+        return next(int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmRSS:"))
+
+    before = rss_mb()
+    spike = np.ones(1_500_000_000 // 8)  # 1.5 GB, written, then freed
+    del spike
+    assert peak_rss_mb() > before + 1000
+    result = run_training(spec_for(shards, tmp_path / "run", "train.max_steps=2"))
+    assert result.peak_rss_mb < before + 1000, "the training reported the process's earlier peak as its own"
 
 
 def _train_in_subprocess(spec: TrainingSpec, spec_path: Path) -> subprocess.Popen:

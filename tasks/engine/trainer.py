@@ -35,7 +35,7 @@ from cpuforge.models.checkpoint import (
 from cpuforge.models.llama import Llama, flops_per_token
 from cpuforge.tasks.engine import sharding
 from cpuforge.tasks.engine.data import BatchSampler, bits_per_byte
-from cpuforge.tasks.engine.hardware import newton_schulz_dtype, peak_rss_mb
+from cpuforge.tasks.engine.hardware import newton_schulz_dtype, peak_rss_mb, reset_peak_rss
 from cpuforge.tasks.engine.losses import lm_loss
 from cpuforge.tasks.engine.optimizers import build_optimizer
 from cpuforge.tasks.engine.stop_signals import StopSignals
@@ -162,6 +162,7 @@ def train(
     on_progress: Callable[[float, str], None] | None = None,
 ) -> TrainResult:
     """Train until the budget is spent, resuming from the last checkpoint in checkpoint_dir if any."""
+    reset_peak_rss()  # the history's and the result's peak_rss_mb: this training's, not the process's
     run = _Training(model, train_data, val, byte_lengths, s, checkpoint_dir, loss_fn)
     run.resume()
     run.shard()
