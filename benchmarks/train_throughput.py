@@ -13,7 +13,8 @@ forces one (bf16 = autocast, as the trainer runs it). --compile (default: the pr
 train.compile, auto) also times cpuforge under torch.compile; with auto the goal line reports the
 step the pipeline would train with, compiled only where it measured >= COMPILE_MIN_GAIN x eager
 (tasks/engine/compile_choice.py's rule; the pipeline measures it in a child process, within the
-budget). Goals (issue 15): ratio >= 1.3, MFU >= 60%.
+budget). Both models run under the malloc settings cpuforge trains with (tasks/engine/allocator.py),
+which speed transformers' step up more than cpuforge's. Goals (issue 15): ratio >= 1.3, MFU >= 60%.
 benchmarks/train_levers.py measures what each lever of the step is worth.
 """
 
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import Llama, flops_per_token, param_count
 from cpuforge.tasks.config import load_config
+from cpuforge.tasks.engine.allocator import keep_freed_memory
 from cpuforge.tasks.engine.compile_choice import COMPILE_MIN_GAIN
 from cpuforge.tasks.engine.hardware import available_cores, choose_precision, measure_matmul_peak, peak_size
 
@@ -62,6 +64,7 @@ def main() -> None:
                         help="auto: what train.precision=auto picks on this CPU (measured); fp32/bf16: forced")
     args = parser.parse_args()
 
+    keep_freed_memory()  # as the trainer does; for both contenders, since they share this process
     run_cfg = load_config(args.profile, overrides=args.overrides)
     compile_mode = args.compile or str(run_cfg.train.compile).lower()
     cfg = run_cfg.model.or_named("demo").shape(args.vocab_size)  # model.size=auto: demo dims

@@ -107,8 +107,11 @@ def training_step_timer(model_cfg, batch: int, optimizer: str = "adamw", teacher
     torch.compile, as train.compile does it (the first step compiles). Call it under the thread count being
     measured."""
     from cpuforge.models.llama import Llama
+    from cpuforge.tasks.engine.allocator import keep_freed_memory
     from cpuforge.tasks.engine.losses import distillation_loss, lm_loss
     from cpuforge.tasks.engine.optimizers import build_optimizer
+
+    keep_freed_memory()  # as the trainer runs: the step's rate depends on it (tasks/engine/allocator.py)
 
     g = torch.Generator().manual_seed(0)
     xy = torch.randint(0, model_cfg.vocab_size, (batch, model_cfg.block_size + 1), generator=g)

@@ -34,6 +34,7 @@ from cpuforge.models.checkpoint import (
 )
 from cpuforge.models.llama import Llama, flops_per_token
 from cpuforge.tasks.engine import sharding
+from cpuforge.tasks.engine.allocator import keep_freed_memory
 from cpuforge.tasks.engine.data import BatchSampler, bits_per_byte
 from cpuforge.tasks.engine.hardware import newton_schulz_dtype, peak_rss_mb, reset_peak_rss
 from cpuforge.tasks.engine.losses import lm_loss
@@ -162,6 +163,7 @@ def train(
     on_progress: Callable[[float, str], None] | None = None,
 ) -> TrainResult:
     """Train until the budget is spent, resuming from the last checkpoint in checkpoint_dir if any."""
+    keep_freed_memory()  # each step reuses what the last one freed instead of faulting it in again
     reset_peak_rss()  # the history's and the result's peak_rss_mb: this training's, not the process's
     run = _Training(model, train_data, val, byte_lengths, s, checkpoint_dir, loss_fn)
     run.resume()
