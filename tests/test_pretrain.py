@@ -24,6 +24,7 @@ from cpuforge.models.checkpoint import save_training_checkpoint
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import Llama
 from cpuforge.tasks.config import load_config
+from cpuforge.tasks.engine.allocator import keep_freed_memory
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, unigram_bpb
 from cpuforge.tasks.engine.hardware import peak_rss_mb
 from cpuforge.tasks.engine.trainer import lr_at
@@ -81,12 +82,14 @@ def test_a_trainings_peak_memory_is_its_own_not_the_process_s(shards, tmp_path):
         status = Path("/proc/self/status").read_text()
         return next(int(line.split()[1]) / 1024 for line in status.splitlines() if line.startswith("VmRSS:"))
 
+    keep_freed_memory()  # as the step timers set it: freed blocks under 32 MB stay with the process
     before = rss_mb()
-    spike = np.ones(1_500_000_000 // 8)  # 1.5 GB, written, then freed
-    del spike
-    assert peak_rss_mb() > before + 1000
+    spike = [np.ones(1 << 20) for _ in range(190)]  # 1.5 GB in 8 MB blocks, written, then freed but the last
+    del spike[:-1]
+    assert peak_rss_mb() > before + 1000 and rss_mb() > before + 1000  # held, as sizing's shapes were
     result = run_training(spec_for(shards, tmp_path / "run", "train.max_steps=2"))
     assert result.peak_rss_mb < before + 1000, "the training reported the process's earlier peak as its own"
+    assert rss_mb() < before + 1000, "the memory freed before training was held through it"
 
 
 def _train_in_subprocess(spec: TrainingSpec, spec_path: Path) -> subprocess.Popen:

@@ -34,7 +34,7 @@ from cpuforge.models.checkpoint import (
 )
 from cpuforge.models.llama import Llama, flops_per_token
 from cpuforge.tasks.engine import sharding
-from cpuforge.tasks.engine.allocator import keep_freed_memory
+from cpuforge.tasks.engine.allocator import keep_freed_memory, release_free_memory
 from cpuforge.tasks.engine.data import BatchSampler, bits_per_byte
 from cpuforge.tasks.engine.hardware import newton_schulz_dtype, peak_rss_mb, reset_peak_rss
 from cpuforge.tasks.engine.losses import lm_loss
@@ -164,6 +164,7 @@ def train(
 ) -> TrainResult:
     """Train until the budget is spent, resuming from the last checkpoint in checkpoint_dir if any."""
     keep_freed_memory()  # each step reuses what the last one freed instead of faulting it in again
+    release_free_memory()  # not what earlier work in this process freed (model sizing's big shapes)
     reset_peak_rss()  # the history's and the result's peak_rss_mb: this training's, not the process's
     run = _Training(model, train_data, val, byte_lengths, s, checkpoint_dir, loss_fn)
     run.resume()
@@ -180,7 +181,9 @@ def train(
             if run.is_main:
                 run.report(record, log_metrics, on_progress)
             run.checkpoint(final)
-    return run.finish()
+    result = run.finish()
+    release_free_memory()  # the steps' activations and gradients, kept for the next step while training
+    return result
 
 
 class _Training:
