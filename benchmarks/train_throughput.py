@@ -11,8 +11,8 @@ against this machine's measured matmul peak in the precision the steps ran in. -
 (tasks/hardware.choose_precision; bf16 is not timed on a CPU without native bf16); fp32 or bf16
 forces one (bf16 = autocast, as the trainer runs it). --compile (default: the profile's
 train.compile, auto) also times cpuforge under torch.compile; with auto the goal line reports the
-step the pipeline would train with, compiled only where it measured >= COMPILE_MIN_GAIN x eager
-(tasks/engine/compile_choice.py's rule; the pipeline measures it in a child process, within the
+step the pipeline would train with, compiled only where compile_choice.compile_pays
+(>= 1.1x eager; the pipeline measures it in a child process, within the
 budget). Both models run under the malloc settings cpuforge trains with (tasks/engine/allocator.py),
 which speed transformers' step up more than cpuforge's. Goals (issue 15): ratio >= 1.3, MFU >= 60%.
 benchmarks/train_levers.py measures what each lever of the step is worth.
@@ -32,7 +32,7 @@ from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import Llama, flops_per_token, param_count
 from cpuforge.tasks.config import load_config
 from cpuforge.tasks.engine.allocator import keep_freed_memory
-from cpuforge.tasks.engine.compile_choice import COMPILE_MIN_GAIN
+from cpuforge.tasks.engine.compile_choice import compile_pays
 from cpuforge.tasks.engine.hardware import available_cores, choose_precision, measure_matmul_peak, peak_size
 
 
@@ -135,7 +135,7 @@ def main() -> None:
         print(f"cpuforge+compile: {c_rate:8.0f} tokens/s  MFU {c_rate * flops_per_token(cfg) / peak:.1%}")
         print(f"ratio cpuforge / transformers: {ours_rate / hf_rate:.2f}; cpuforge+compile / transformers: "
               f"{c_rate / hf_rate:.2f}; compiled / eager: {c_rate / ours_rate:.2f}")
-        if compile_mode == "true" or c_rate >= COMPILE_MIN_GAIN * ours_rate:
+        if compile_mode == "true" or compile_pays(ours_rate, c_rate):
             picked, picked_rate = "cpuforge+compile", c_rate
     print(f"the pipeline's step ({picked}, train.compile={compile_mode}): {picked_rate / hf_rate:.2f}x transformers "
           f"(goal >= 1.3), MFU {picked_rate * flops_per_token(cfg) / peak:.1%} (goal >= 60%)")

@@ -23,10 +23,8 @@ glibc only (the only allocator here with mallopt); elsewhere nothing changes.
 from __future__ import annotations
 
 import ctypes
-import logging
+import functools
 import platform
-
-log = logging.getLogger("cpuforge.allocator")
 
 # mallopt parameters (malloc.h) and the values set.
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
@@ -36,27 +34,22 @@ SETTINGS = {
     M_TOP_PAD: 256 << 20,  # grow the heap 256 MB at a time: fewer brk calls and faults
 }
 
-_done: bool | None = None
+
+@functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    """This process's C library where it is glibc (platform.libc_ver reads the interpreter's binary: once)."""
+    return ctypes.CDLL(None) if platform.libc_ver()[0] == "glibc" else None
 
 
+@functools.cache
 def keep_freed_memory() -> bool:
     """Set SETTINGS in this process's glibc malloc, once; whether they are in force."""
-    global _done
-    if _done is None:
-        _done = False
-        if platform.libc_ver()[0] == "glibc":
-            try:
-                mallopt = ctypes.CDLL(None).mallopt
-                _done = all(mallopt(param, value) == 1 for param, value in SETTINGS.items())
-            except (OSError, AttributeError) as exc:
-                log.debug("mallopt unavailable: %s", exc)
-    return _done
+    libc = _glibc()
+    return libc is not None and all(libc.mallopt(param, value) == 1 for param, value in SETTINGS.items())
 
 
 def release_free_memory() -> None:
     """Give the memory this process has freed back to the OS (glibc's malloc_trim); a no-op elsewhere."""
-    if platform.libc_ver()[0] == "glibc":
-        try:
-            ctypes.CDLL(None).malloc_trim(0)
-        except (OSError, AttributeError) as exc:
-            log.debug("malloc_trim unavailable: %s", exc)
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

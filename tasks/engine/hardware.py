@@ -3,6 +3,7 @@ A/B of a real training step), and the measured matmul peak of each precision (MF
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -68,16 +69,12 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def reset_peak_rss() -> bool:
+def reset_peak_rss() -> None:
     """Start this process's peak resident memory over from what it holds now, so that a training's
     peak_rss_mb is its own: in a run, model.size=auto times bigger shapes in the same process first
-    (6.5 GB on a first demo run). Linux 4.0+; False where the peak cannot be
-    reset, and stays the process's."""
-    try:
+    (6.5 GB on a first demo run). Linux 4.0+; elsewhere the peak stays the process's."""
+    with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")  # 5: reset VmHWM to the current RSS (proc(5))
-        return True
-    except OSError:
-        return False
 
 
 def has_native_bf16() -> bool:
