@@ -2,14 +2,16 @@
 
     cpuforge run --profile demo --summary demo.json
     nice python benchmarks/recover_ab.py demo.json --arms lr=5e-4 lr=2e-3 lr=4e-3 "lr=4e-3 lm_weight=0"
+    python benchmarks/recover_ab.py demo.json --arms optimizer=adamw "optimizer=muon muon_lr=2e-3" \
+        "optimizer=muon muon_lr=4e-3"
 
 Every arm starts from the run's pruned model (its prune stage), distils the run's unpruned model
 (its pretrain stage) on the run's tokens, and trains exactly --steps optimizer steps (default: the
 steps the run's recover stage took in its budget), so the arms compare at the same work whatever
 the machine's load; they differ only in the recover settings they name (RecoverConfig's keys: lr,
-temperature, kd_weight, lm_weight; the rest is the run's; '' is the run's own settings). Each arm
-trains in the precision the run's recover stage trained in, with the run's threads per process,
-and the teacher and every arm are then scored in fp32 on the run's validation batches, as the
+temperature, kd_weight, lm_weight, optimizer, muon_lr; the rest is the run's; '' is the run's own
+settings). Each arm trains in the precision the run's recover stage trained in, with the run's
+threads per process, and the teacher and every arm are then scored in fp32 on the run's validation batches, as the
 deploy goal compares them. The gap to the teacher is the bits-per-byte cost of pruning that issue
 15's deploy goal (+2% at most) measures. Unlike the stage, the cosine decay spans exactly --steps
 (the stage estimates its horizon from the clock), one process trains, and train.compile is not used.
@@ -83,7 +85,8 @@ def main() -> None:
         print(f"  {arm or '(as the run)':<36} val bpb {bpb:.4f}  {100 * gap:+6.2f}% vs teacher"
               f"  ({time.perf_counter() - started:.0f} s)", flush=True)
         table.append({"arm": arm, "lr": r.lr, "temperature": r.temperature, "kd_weight": r.kd_weight,
-                      "lm_weight": r.lm_weight, "steps": steps, "val_bpb": round(bpb, 4),
+                      "lm_weight": r.lm_weight, "optimizer": s.optimizer, "muon_lr": r.muon_lr, "steps": steps,
+                      "seconds": round(time.perf_counter() - started, 1), "val_bpb": round(bpb, 4),
                       "vs_teacher": round(gap, 4)})
     if args.json:
         Path(args.json).write_text(json.dumps({"teacher_bpb": round(teacher_bpb, 4), "precision": precision,

@@ -181,7 +181,7 @@ class TrainConfig(Section):
         "auto", description="'muon': Muon (orthogonalised momentum, tasks/engine/muon.py) for the 2-D matrices "
         "inside the blocks and AdamW for the embedding/LM head and norms; 'adamw' for every parameter; 'auto' "
         "(default): muon, except adamw with strategy=fsdp (Muon needs whole matrices, FSDP shards them; a run "
-        "resumes only under the optimizer that wrote its checkpoint). Pretraining only: recover uses AdamW.")
+        "resumes only under the optimizer that wrote its checkpoint). Pretraining only: recovery's is recover.optimizer.")
     muon_lr: float = Field(2e-3, gt=0, description="Muon's peak learning rate. Its updates are scaled to AdamW's "
                            "RMS (torch's 'match_rms_adamw'), so it is on the same scale as train.lr.")
     lr_schedule: Literal["cosine", "wsd"] = Field(
@@ -279,6 +279,18 @@ class RecoverConfig(Section):
     temperature: float = Field(1.0, gt=0, description="Softmax temperature of the KL term.")
     kd_weight: float = Field(1.0, ge=0, description="Weight of forward KL(teacher || student).")
     lm_weight: float = Field(0.5, ge=0, description="Weight of the next-token LM loss.")
+    optimizer: Literal["auto", "adamw", "muon"] = Field(
+        "adamw", description="'adamw' (default) for every parameter at recover.lr; 'muon': Muon for the blocks' "
+        "matrices at recover.muon_lr and AdamW at recover.lr for the embedding/LM head and norms, as "
+        "train.optimizer=muon; 'auto' (the demo profile's): muon, except adamw with train.strategy=fsdp over "
+        "several processes (Muon needs whole matrices). On demo runs Muon recovered several times closer to the "
+        "teacher in the same steps (docs/training.md).")
+    muon_lr: float = Field(2e-3, gt=0, description="Muon's peak learning rate when recover.optimizer=muon.")
+
+    def optimizer_in_use(self, train: TrainConfig) -> Literal["adamw", "muon"]:
+        if self.optimizer == "auto":
+            return "adamw" if train.strategy == "fsdp" and train.nproc_per_node * train.nnodes > 1 else "muon"
+        return self.optimizer
 
     @model_validator(mode="after")
     def _has_a_budget(self) -> RecoverConfig:
@@ -356,6 +368,15 @@ class Config(Section):
     quantize: QuantizeConfig = QuantizeConfig()
     eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _recover_can_shard(self) -> Config:
+        t = self.train
+        if self.recover.optimizer == "muon" and t.strategy == "fsdp" and t.nproc_per_node * t.nnodes > 1:
+            raise ValueError("recover.optimizer=muon cannot run with train.strategy=fsdp: Muon needs each full "
+                             "weight matrix, FSDP gives a process a shard; use train.strategy=ddp or "
+                             "recover.optimizer=adamw")
+        return self
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

@@ -50,6 +50,8 @@ def test_config_file_applies_over_profile_and_set_over_file(tmp_path: Path):
         (["novalue"], "expected section.key=value"),
         (["train.optimizer=muon", "train.strategy=fsdp", "train.nproc_per_node=2"],
          "train.optimizer=muon cannot run with train.strategy=fsdp"),
+        (["recover.optimizer=muon", "train.strategy=fsdp", "train.nproc_per_node=2"],
+         "recover.optimizer=muon cannot run with train.strategy=fsdp"),
     ],
 )
 def test_bad_settings_are_rejected_with_a_message_naming_them(overrides, expected):
@@ -96,3 +98,12 @@ def test_the_default_optimizer_is_muon_except_under_fsdp_where_it_cannot_run():
     fsdp = load_config("tiny", overrides=["train.strategy=fsdp", "train.nproc_per_node=2"])
     assert fsdp.train.optimizer_in_use() == "adamw"
     assert load_config("tiny", overrides=["train.optimizer=adamw"]).train.optimizer_in_use() == "adamw"
+
+
+def test_the_demo_recovers_with_muon_except_under_fsdp():
+    demo = load_config("demo")
+    assert demo.recover.optimizer_in_use(demo.train) == "muon"
+    fsdp = load_config("demo", overrides=["train.strategy=fsdp", "train.nproc_per_node=2"])
+    assert fsdp.recover.optimizer_in_use(fsdp.train) == "adamw"
+    tiny = load_config("tiny")  # a profile that does not set it keeps AdamW
+    assert tiny.recover.optimizer_in_use(tiny.train) == "adamw"

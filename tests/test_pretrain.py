@@ -439,3 +439,36 @@ def test_recover_mfu_counts_the_teachers_forward_passes(shards, tmp_path):
     result = train(model, s.train, val_batches(s.val, 1, 8, 64), token_byte_lengths(s.tokenizer_path), settings,
                    tmp_path / "ck", loss_fn=loss_fn)
     assert result.mfu == pytest.approx(result.tokens_per_s * expected / settings.peak_flops)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_recover_trains_with_recover_optimizer(shards, tmp_path, optimizer):
+    from cpuforge.models.checkpoint import save_model
+    from cpuforge.tasks.engine.data import token_byte_lengths, val_batches
+    from cpuforge.tasks.engine.muon import MuonAdamW
+    from cpuforge.tasks.engine.trainer import make_optimizer, train
+    from cpuforge.tasks.engine.training_run import _build, step_optimizer
+
+    s = open_shards(shards, 64)
+    teacher_cfg = LlamaConfig(vocab_size=s.vocab_size, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_mlp=176, block_size=64)
+    student_cfg = LlamaConfig(vocab_size=s.vocab_size, n_layer=2, n_head=2, n_kv_head=1, d_model=64, d_mlp=96, block_size=64)
+    save_model(Llama(teacher_cfg), tmp_path / "teacher")
+    save_model(Llama(student_cfg), tmp_path / "student")
+    # pretraining's optimizer is the other one: recovery must not follow it
+    other = "adamw" if optimizer == "muon" else "muon"
+    spec = spec_for(shards, tmp_path / "out", f"train.optimizer={other}", "recover.max_steps=2", "recover.max_minutes=null",
+                    "recover.lr=3e-3",
+                    f"recover.optimizer={optimizer}", "recover.muon_lr=5e-3").model_copy(
+        update={"kind": "recover", "model": None, "student_dir": str(tmp_path / "student"),
+                "teacher_dir": str(tmp_path / "teacher")})
+    assert step_optimizer("recover", spec.train, spec.recover) == optimizer  # what the precision A/B times
+    model, loss_fn, settings = _build(spec)
+    train(model, s.train, val_batches(s.val, 1, 8, 64), token_byte_lengths(s.tokenizer_path), settings,
+          tmp_path / "ck", loss_fn=loss_fn)
+    state = torch.load(next((tmp_path / "ck").glob("step-*/trainer.pt")), weights_only=True)
+    assert state["optimizer"] == optimizer
+    opt = make_optimizer(model, settings)
+    assert isinstance(opt, MuonAdamW) == (optimizer == "muon")
+    peaks = sorted({g["lr"] for g in opt.param_groups})
+    assert peaks == ([3e-3, 5e-3] if optimizer == "muon" else [3e-3])
+

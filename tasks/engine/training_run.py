@@ -100,15 +100,12 @@ def settings(t: TrainConfig, dtype: torch.dtype, peak_flops: float) -> TrainSett
     )
 
 
-RECOVER_OPTIMIZER = "adamw"
-
-
 def recover_settings(t: TrainConfig, r: RecoverConfig, dtype: torch.dtype, peak_flops: float) -> TrainSettings:
-    """Pretraining's engine settings with recovery's budget and learning rate. Recovery keeps AdamW with
-    cosine decay whatever pretraining used: train.optimizer/muon_lr/lr_schedule were tuned for training
-    from scratch, not for distilling into pruned weights at recover.lr."""
-    return replace(settings(t, dtype, peak_flops), lr=r.lr, min_lr=r.lr / 10, optimizer=RECOVER_OPTIMIZER,
-                   lr_schedule="cosine",
+    """Pretraining's engine settings with recovery's budget, optimizer and learning rates, and cosine
+    decay whatever pretraining used: train.optimizer/muon_lr/lr_schedule were tuned for training from
+    scratch, not for distilling into pruned weights (docs/training.md, "Recovery's optimizer")."""
+    return replace(settings(t, dtype, peak_flops), lr=r.lr, min_lr=r.lr / 10, optimizer=r.optimizer_in_use(t),
+                   muon_lr=r.muon_lr, lr_schedule="cosine",
                    warmup_steps=min(t.warmup_steps, 10), max_tokens=r.max_tokens, max_steps=r.max_steps,
                    max_minutes=r.max_minutes,
                    seed=t.seed + 1)  # a data stream of its own, not a replay of pretraining's first steps
@@ -133,9 +130,11 @@ def _shapes(kind: str, model: LlamaConfig | None, student_dir: str | Path | None
     return model, None
 
 
-def step_optimizer(kind: str, train_cfg: TrainConfig) -> str:
-    """The optimizer a training's step runs: recovery keeps AdamW (recover_settings), pretraining train.optimizer."""
-    return RECOVER_OPTIMIZER if kind == "recover" else train_cfg.optimizer_in_use()
+def step_optimizer(kind: str, train_cfg: TrainConfig, recover: RecoverConfig | None = None) -> str:
+    """The optimizer a training's step runs: recover.optimizer in recovery, train.optimizer in pretraining."""
+    if kind == "recover":
+        return (recover or RecoverConfig()).optimizer_in_use(train_cfg)
+    return train_cfg.optimizer_in_use()
 
 
 def training_spec(kind: Literal["pretrain", "recover"], train_cfg: TrainConfig, tokenize_dir: Path | str,
@@ -147,7 +146,7 @@ def training_spec(kind: Literal["pretrain", "recover"], train_cfg: TrainConfig, 
     torch.compile is decided by ``execute``, under the training slot (decide_compile)."""
     threads = threads_per_process(train_cfg)
     model_cfg, teacher_cfg = _shapes(kind, model, model_dirs.get("student_dir"), model_dirs.get("teacher_dir"))
-    optimizer = step_optimizer(kind, train_cfg)
+    optimizer = step_optimizer(kind, train_cfg, recover)
     precision = choose_precision(train_cfg.precision, model_cfg, train_cfg.batch_size, threads, cache_dir, teacher_cfg,
                                  optimizer, train_cfg.activation_checkpointing)
     dtype = precision["dtype"]
@@ -170,7 +169,7 @@ def decide_compile(spec: TrainingSpec) -> TrainingSpec:
     budget = budget_seconds(limits.max_minutes, limits.max_steps, limits.max_tokens,
                             t.batch_size * t.grad_accum * model_cfg.block_size,
                             spec.precision.get("bf16_tok_s" if spec.dtype == "bfloat16" else "fp32_tok_s"))
-    optimizer = step_optimizer(spec.kind, t)
+    optimizer = step_optimizer(spec.kind, t, spec.recover)
     decision = choose_compile(t.compile, model_cfg, t.batch_size, spec.threads, spec.dtype, Path(spec.cache_dir),
                               budget, teacher_cfg, optimizer, t.activation_checkpointing, world_size(t))
     return spec.model_copy(update={"compile": decision})
