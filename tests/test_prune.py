@@ -79,7 +79,7 @@ def test_pruned_widths_stay_on_their_grid_and_near_the_budget():
             assert target.d_model % multiple == 0 and target.d_mlp % multiple == 0 and target.d_mlp <= cfg.d_mlp
             # the grid of 32 is coarse at this width: 3 layers of 64/352 (all the MLP) hold 43%
             assert (0.49 if multiple == 8 else 0.42) < config_param_count(target) / config_param_count(cfg) <= 0.5
-    finer = target_config(cfg, load_config("demo").prune)
+    finer = target_config(cfg, load_config("demo", overrides=["prune.strategy=width"]).prune)
     assert (finer.d_model, finer.d_mlp) == (72, 256)  # 72/208 before the MLP took the rest: 46% kept, not 50%
 
 
