@@ -48,8 +48,8 @@ def pipeline(
             while there is none), a model folder or runs:/RUN_ID/model. Empty: a new model.
         keep_ratio: fraction of parameters pruning keeps, in (0, 1]. 0: the profile's (0.5).
         prune_strategy: width (heads, MLP and embedding channels), depth (whole layers) or width_then_depth.
-            Empty: the profile's (width).
-        recover_minutes: wall-clock budget of distillation after pruning. 0: the profile's (demo: 2).
+            Empty: the profile's (demo: width_then_depth).
+        recover_minutes: wall-clock budget of distillation after pruning. 0: the profile's (demo: 3).
         config_file: a YAML file of config sections on the worker, applied over the profile. Empty: none.
         overrides: more `section.key=value` settings, applied last, e.g. `train.lr=0.001`.
         workdir: folder (on the worker) for stage outputs, run summaries and, without an MLflow server, the MLflow store.
