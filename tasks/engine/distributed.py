@@ -7,6 +7,7 @@ would; DDP averages gradients, rank 0 logs, checkpoints and writes the outputs.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import torch.distributed as dist
@@ -22,12 +23,17 @@ def main(spec_path: str) -> None:
     try:
         with open(spec_path) as f:
             run_training(TrainingSpec.model_validate_json(f.read()))
-        # Rank 0 still writes the outputs when the others return. A rank that tears its gloo pairs
-        # down meanwhile can abort in teardown ("terminate called without an active exception"),
-        # which torchrun counts as a failure and restarts the group for: leave together.
-        dist.barrier()
-    finally:
+        dist.barrier()  # rank 0 still writes the outputs when the others return: leave together
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Done, outputs written. Exit without gloo's C++ teardown: even after the barrier a rank could abort
+    # in it ("terminate called without an active exception", SIGABRT; seen in CI), which torchrun counts
+    # as a failure and answers by restarting the group, which trains again from the last checkpoint.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
