@@ -11,8 +11,8 @@ steps the run's recover stage took in its budget), so the arms compare at the sa
 the machine's load; they differ only in the recover settings they name (RecoverConfig's keys: lr,
 temperature, kd_weight, lm_weight, optimizer, muon_lr; the rest is the run's; '' is the run's own
 settings). Each arm trains in the precision the run's recover stage trained in, with the run's
-threads per process, and the teacher and every arm are then scored in fp32 on the run's validation batches, as the
-deploy goal compares them. The gap to the teacher is the bits-per-byte cost of pruning that issue
+threads per process, and the teacher and every arm are then scored in fp32 on the run's validation
+batches, as the deploy goal compares them. The gap to the teacher is the bits-per-byte cost of pruning that issue
 15's deploy goal (+2% at most) measures. Unlike the stage, the cosine decay spans exactly --steps
 (the stage estimates its horizon from the clock), one process trains, and train.compile is not used.
 """

@@ -181,7 +181,8 @@ class TrainConfig(Section):
         "auto", description="'muon': Muon (orthogonalised momentum, tasks/engine/muon.py) for the 2-D matrices "
         "inside the blocks and AdamW for the embedding/LM head and norms; 'adamw' for every parameter; 'auto' "
         "(default): muon, except adamw with strategy=fsdp (Muon needs whole matrices, FSDP shards them; a run "
-        "resumes only under the optimizer that wrote its checkpoint). Pretraining only: recovery's is recover.optimizer.")
+        "resumes only under the optimizer that wrote its checkpoint). Pretraining only: recovery has "
+        "recover.optimizer.")
     muon_lr: float = Field(2e-3, gt=0, description="Muon's peak learning rate. Its updates are scaled to AdamW's "
                            "RMS (torch's 'match_rms_adamw'), so it is on the same scale as train.lr.")
     lr_schedule: Literal["cosine", "wsd"] = Field(
@@ -237,13 +238,17 @@ class TrainConfig(Section):
             return "adamw" if self.strategy == "fsdp" else "muon"
         return self.optimizer
 
+    def shards_matrices(self) -> bool:
+        """FSDP over several processes: each holds a slice of every weight matrix, which Muon cannot update."""
+        return self.strategy == "fsdp" and self.nproc_per_node * self.nnodes > 1
+
     @model_validator(mode="after")
     def _has_a_budget(self) -> TrainConfig:
         if self.max_tokens is None and self.max_steps is None and self.max_minutes is None:
             raise ValueError("train needs a budget: set max_tokens, max_steps or max_minutes")
         if self.min_lr > self.lr:
             raise ValueError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}")
-        if self.optimizer == "muon" and self.strategy == "fsdp" and self.nproc_per_node * self.nnodes > 1:
+        if self.optimizer == "muon" and self.shards_matrices():
             # Newton-Schulz orthogonalises the whole matrix; an FSDP rank holds only a slice of it.
             raise ValueError("train.optimizer=muon cannot run with train.strategy=fsdp: Muon needs each full "
                              "weight matrix, FSDP gives a process a shard; use train.strategy=ddp or "
@@ -289,7 +294,7 @@ class RecoverConfig(Section):
 
     def optimizer_in_use(self, train: TrainConfig) -> Literal["adamw", "muon"]:
         if self.optimizer == "auto":
-            return "adamw" if train.strategy == "fsdp" and train.nproc_per_node * train.nnodes > 1 else "muon"
+            return "adamw" if train.shards_matrices() else "muon"
         return self.optimizer
 
     @model_validator(mode="after")
@@ -371,8 +376,7 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _recover_can_shard(self) -> Config:
-        t = self.train
-        if self.recover.optimizer == "muon" and t.strategy == "fsdp" and t.nproc_per_node * t.nnodes > 1:
+        if self.recover.optimizer == "muon" and self.train.shards_matrices():
             raise ValueError("recover.optimizer=muon cannot run with train.strategy=fsdp: Muon needs each full "
                              "weight matrix, FSDP gives a process a shard; use train.strategy=ddp or "
                              "recover.optimizer=adamw")

@@ -456,9 +456,9 @@ def test_recover_trains_with_recover_optimizer(shards, tmp_path, optimizer):
     save_model(Llama(student_cfg), tmp_path / "student")
     # pretraining's optimizer is the other one: recovery must not follow it
     other = "adamw" if optimizer == "muon" else "muon"
-    spec = spec_for(shards, tmp_path / "out", f"train.optimizer={other}", "recover.max_steps=2", "recover.max_minutes=null",
-                    "recover.lr=3e-3",
-                    f"recover.optimizer={optimizer}", "recover.muon_lr=5e-3").model_copy(
+    spec = spec_for(shards, tmp_path / "out", f"train.optimizer={other}", "recover.max_steps=2",
+                    "recover.max_minutes=null", "recover.lr=3e-3", f"recover.optimizer={optimizer}",
+                    "recover.muon_lr=5e-3").model_copy(
         update={"kind": "recover", "model": None, "student_dir": str(tmp_path / "student"),
                 "teacher_dir": str(tmp_path / "teacher")})
     assert step_optimizer("recover", spec.train, spec.recover) == optimizer  # what the precision A/B times
@@ -471,4 +471,3 @@ def test_recover_trains_with_recover_optimizer(shards, tmp_path, optimizer):
     assert isinstance(opt, MuonAdamW) == (optimizer == "muon")
     peaks = sorted({g["lr"] for g in opt.param_groups})
     assert peaks == ([3e-3, 5e-3] if optimizer == "muon" else [3e-3])
-
