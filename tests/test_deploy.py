@@ -217,6 +217,25 @@ def test_model_builder_graph_decodes_the_exports_greedy_tokens(trained, exported
         fused.decoder.forward(np.array([[1]]), past=[np.zeros((1, 2, 3, 4), np.float32)])
 
 
+def test_model_builder_int8_candidate_in_blocks_of_64_shares_its_head_and_matches_blocks_of_32(quantized):
+    """genai-int8-b64 is the int8 graph with 64-wide blocks everywhere, its embedding lookup included, and
+    as accurate as blocks of 32: only the scales per row differ."""
+    record, metrics = quantized
+    folder = Path(record.output_dir) / "candidates"
+    proto = onnx.load(str(folder / "genai-int8-b64.onnx"))
+    blocks = {onnx.helper.get_attribute_value(a) for n in proto.graph.node
+              if n.op_type in ("MatMulNBits", "GatherBlockQuantized") for a in n.attribute if a.name == "block_size"}
+    assert blocks == {64}
+    assert "GatherBlockQuantized" in {n.op_type for n in proto.graph.node}  # no fp32 table beside the int8 head
+    assert "block 64" in read_metadata(folder / "genai-int8-b64.onnx")["cpuforge.quantization"]
+    assert metrics["genai-int8-b64/val_bpb"] == pytest.approx(metrics["genai-int8/val_bpb"], rel=0.01)
+    assert metrics["genai-int8-b64/token_agreement"] >= 0.9
+    wide, narrow = (load_language_model(folder / f"{name}.onnx") for name in ("genai-int8-b64", "genai-int8"))
+    ids = np.random.default_rng(2).integers(0, wide.cfg.vocab_size, size=(2, wide.cfg.block_size))
+    expected = narrow.decoder.logits(ids)
+    assert np.abs(wide.decoder.logits(ids) - expected).max() < 0.05 * np.ptp(expected)
+
+
 def test_model_builder_int4_candidate_is_4_bit_and_says_so(quantized):
     record, metrics = quantized
     folder = Path(record.output_dir) / "candidates"
