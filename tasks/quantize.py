@@ -49,6 +49,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -80,14 +81,22 @@ SPEC = stages.QUANTIZE
 # graph in blocks of 64 comes before blocks of 32: the same graph with half the scales, a smaller file.
 SIMPLICITY = ("dynamic-qint8", "dynamic-quint8", "genai-int8-b64", "genai-int8", "genai-int8-fp32head", "genai-int4",
               "genai-int4-fp32head", "static-qdq")
-# The builder's candidates: (precision, LM head quantized, block size). With the head quantized the embedding
-# lookup reads the head's blocks (4-bit: the builder's own sharing; 8-bit: models/genai_build.share_int8_embedding);
-# with an fp32 head the two share one fp32 table. Blocks of 64 at int8: on the demo's pruned shapes (widths 120,
+
+
+class BuilderCandidate(NamedTuple):
+    precision: str  # models/genai_build.PRECISIONS
+    quantize_head: bool
+    block_size: int
+
+
+# The builder's candidates. With the head quantized the embedding lookup reads the head's blocks (4-bit: the
+# builder's own sharing; 8-bit: models/genai_build.share_int8_embedding); with an fp32 head the two share one
+# fp32 table. Blocks of 64 at int8: on the demo's pruned shapes (widths 120,
 # 192, 504 and 192, 544) they decoded 1.06-1.12x and prefilled 1.10-1.28x the speed of blocks of 32 at the same
 # bits per byte (greedy agreement with fp32 98.5% against 98.8%); which one a machine runs faster is measured.
-GENAI = {"genai-int8": ("int8", True, 32), "genai-int8-b64": ("int8", True, 64),
-         "genai-int8-fp32head": ("int8", False, 32),
-         "genai-int4": ("int4", True, 32), "genai-int4-fp32head": ("int4", False, 32)}
+GENAI = {"genai-int8": BuilderCandidate("int8", True, 32), "genai-int8-b64": BuilderCandidate("int8", True, 64),
+         "genai-int8-fp32head": BuilderCandidate("int8", False, 32),
+         "genai-int4": BuilderCandidate("int4", True, 32), "genai-int4-fp32head": BuilderCandidate("int4", False, 32)}
 META_QUANTIZATION = "cpuforge.quantization"
 MIN_ROUNDS, MAX_ROUNDS = 3, 12
 DECODE_TOKENS = 64
@@ -111,9 +120,10 @@ ACCURACY_LEVEL = 4
 def describe(method: str) -> str:
     """What a candidate is, for the graph's metadata and the report."""
     if method in GENAI:
-        precision, head, block = GENAI[method]
-        return (f"{method}: ONNX Runtime GenAI model builder, MatMulNBits {precision} weights (block {block}, accuracy_level "
-                f"{ACCURACY_LEVEL}), LM head {'quantized' if head else 'fp32'}, fused GroupQueryAttention")
+        c = GENAI[method]
+        return (f"{method}: ONNX Runtime GenAI model builder, MatMulNBits {c.precision} weights (block {c.block_size}, "
+                f"accuracy_level {ACCURACY_LEVEL}), LM head {'quantized' if c.quantize_head else 'fp32'}, fused "
+                "GroupQueryAttention")
     return {"dynamic-qint8": "dynamic-qint8: onnxruntime quantize_dynamic, int8 MatMul weights",
             "dynamic-quint8": "dynamic-quint8: onnxruntime quantize_dynamic, uint8 MatMul weights",
             "static-qdq": "static-qdq: onnxruntime quantize_static, QDQ int8 weights and activations"}[method]
@@ -146,9 +156,9 @@ def quantize_one(method: str, source: Path, target: Path, reader_factory, hf_fol
 
     metadata = {**read_metadata(source), META_QUANTIZATION: describe(method)}
     if method in GENAI:
-        precision, head, block = GENAI[method]
-        config = build_decoder(hf_folder, target, precision, metadata, accuracy_level=ACCURACY_LEVEL,
-                               quantize_lm_head=head, block_size=block)
+        c = GENAI[method]
+        config = build_decoder(hf_folder, target, c.precision, metadata, accuracy_level=ACCURACY_LEVEL,
+                               quantize_lm_head=c.quantize_head, block_size=c.block_size)
         atomic_write_json(target.with_suffix(".genai_config.json"), config)
         return
     if method.startswith("dynamic"):
@@ -343,7 +353,7 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
         "fp32_decode_tok_s": base["decode_tok_s"], "decode_tok_s": kept_r["decode_tok_s"],
         "decode_speedup_vs_fp32": round(kept_r["decode_tok_s"] / base["decode_tok_s"], 3),
         "int8_decodes_slower_than_fp32": int(decision.decodes_slower_than_fp32),
-        "weight_bits": 4 if kept in GENAI and GENAI[kept][0] == "int4" else 8,
+        "weight_bits": 4 if kept in GENAI and GENAI[kept].precision == "int4" else 8,
         "token_agreement": kept_r["token_agreement"],
         "rule_rounds": rounds, "rule_settled": int(decision.settled),
         **{f"rule_{k}": v for k, v in decision.margins.items()},
