@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from cpuforge.models.runtime import load_language_model
-from cpuforge.tasks.config import load_config
+from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths
 from cpuforge.tasks.engine.hardware import available_cores, cpu_model, int8_dot_product
 from cpuforge.tasks.engine.scoring import decode_tokens_per_s, prefill_tokens_per_s, score_tokens

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cpuforge.tasks.config import Config
+from cpuforge.tasks.config.settings import Config
 from cpuforge.tasks.engine.data import open_shards
 from cpuforge.tasks.engine.training_run import TrainingSpec, launch_torchrun, threads_per_process
 

@@ -21,7 +21,7 @@ import time
 import torch
 
 from cpuforge.models.llama import flops_per_token
-from cpuforge.tasks.config import load_config
+from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.hardware import available_cores, choose_precision, measure_matmul_peak, peak_size
 
 

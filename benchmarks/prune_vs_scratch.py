@@ -21,7 +21,7 @@ import torch
 
 from cpuforge.models.checkpoint import load_model
 from cpuforge.models.llama import Llama, flops_per_token, param_count
-from cpuforge.tasks.config import load_config
+from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.hardware import available_cores
 from cpuforge.tasks.engine.trainer import evaluate, train

@@ -24,14 +24,14 @@ import torch
 
 from cpuforge.models.checkpoint import load_model
 from cpuforge.models.llama import param_count
-from cpuforge.tasks.config import load_config
+from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.hardware import available_cores
 from cpuforge.tasks.engine.losses import distillation_loss
 from cpuforge.tasks.engine.trainer import evaluate, train
 from cpuforge.tasks.engine.training_run import recover_settings
 from cpuforge.tasks.infra.store import StageRecord
-from cpuforge.tasks.prune import prune_stage
+from cpuforge.tasks.stages.prune import prune_stage
 
 
 def main() -> None:

@@ -48,13 +48,13 @@ from pathlib import Path
 import torch
 
 from cpuforge.models.llama import Llama, zero_residual_projections
-from cpuforge.tasks.config import load_config
+from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import BatchSampler, open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.hardware import choose_precision
 from cpuforge.tasks.engine.losses import lm_loss
 from cpuforge.tasks.engine.trainer import make_optimizer, train
 from cpuforge.tasks.engine.training_run import settings
-from cpuforge.tasks.tokenize import tokenize
+from cpuforge.tasks.stages.tokenize import tokenize
 
 # The recipe before this A/B (AdamW, warmup 30 + cosine to lr/10, default init), pinned so the
 # baseline stays today's whatever the defaults become.

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from cpuforge.models.checkpoint import load_model
-from cpuforge.tasks.config import load_config
+from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.losses import distillation_loss
 from cpuforge.tasks.engine.trainer import evaluate, train

@@ -25,9 +25,9 @@ from pathlib import Path
 from launch_training import train_standalone  # benchmarks/ sibling
 
 from cpuforge.models.config import SIZES
-from cpuforge.tasks.config import load_config
+from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.hardware import available_cores
-from cpuforge.tasks.tokenize import tokenize
+from cpuforge.tasks.stages.tokenize import tokenize
 
 WARMUP_STEPS = 2
 BUDGET_GIB = 24

@@ -32,12 +32,12 @@ import torch
 
 from cpuforge.models.config import AUTO_LADDER, LlamaConfig, ladder_shape
 from cpuforge.models.llama import Llama, config_param_count
-from cpuforge.tasks.config import load_config
+from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.sizing import measure_shapes, training_dtype
 from cpuforge.tasks.engine.trainer import evaluate, train
 from cpuforge.tasks.engine.training_run import settings
-from cpuforge.tasks.tokenize import tokenize
+from cpuforge.tasks.stages.tokenize import tokenize
 
 
 def non_embedding(cfg: LlamaConfig) -> int:

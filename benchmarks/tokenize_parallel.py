@@ -22,11 +22,11 @@ from cpuforge.flows.cli import apply_prefect_defaults
 
 apply_prefect_defaults()
 
-from cpuforge.tasks.config import load_config  # noqa: E402
-from cpuforge.tasks.corpus import load_corpus  # noqa: E402
-from cpuforge.tasks.encoding import encode_to_shard, shard_dtype
-from cpuforge.tasks.parallel_encode import encode_pieces, split_into_pieces, task_runner  # noqa: E402
-from cpuforge.tasks.tokenize import chunk_documents, train_tokenizer  # noqa: E402
+from cpuforge.tasks.config.settings import load_config  # noqa: E402
+from cpuforge.tasks.data.corpus import load_corpus  # noqa: E402
+from cpuforge.tasks.data.encoding import encode_to_shard, shard_dtype
+from cpuforge.tasks.data.parallel_encode import encode_pieces, split_into_pieces, task_runner  # noqa: E402
+from cpuforge.tasks.stages.tokenize import chunk_documents, train_tokenizer  # noqa: E402
 
 
 def main() -> None:

@@ -15,10 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from cpuforge.tasks.config import load_config
-from cpuforge.tasks.corpus import load_corpus
-from cpuforge.tasks.encoding import encode_to_shard, shard_dtype
-from cpuforge.tasks.tokenize import chunk_documents, train_tokenizer
+from cpuforge.tasks.config.settings import load_config
+from cpuforge.tasks.data.corpus import load_corpus
+from cpuforge.tasks.data.encoding import encode_to_shard, shard_dtype
+from cpuforge.tasks.stages.tokenize import chunk_documents, train_tokenizer
 
 
 def main() -> None:

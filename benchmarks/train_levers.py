@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import Llama, apply_rope
-from cpuforge.tasks.config import load_config
+from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.hardware import available_cores, choose_precision
 
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import Llama, flops_per_token, param_count
-from cpuforge.tasks.config import load_config
+from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.allocator import keep_freed_memory
 from cpuforge.tasks.engine.compile_choice import compile_pays
 from cpuforge.tasks.engine.hardware import available_cores, choose_precision, measure_matmul_peak, peak_size

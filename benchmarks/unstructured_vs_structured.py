@@ -23,7 +23,7 @@ from torch.nn.utils import prune
 
 from cpuforge.models.checkpoint import load_model
 from cpuforge.models.llama import Llama
-from cpuforge.tasks.config import load_config
+from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.hardware import available_cores
 from cpuforge.tasks.engine.trainer import evaluate

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from cpuforge.models.checkpoint import read_config
-from cpuforge.tasks.config import load_config
+from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import bits_per_byte, open_shards, token_byte_lengths
 from cpuforge.tasks.engine.hardware import available_cores, cpu_model, int8_dot_product
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "images" / "pipeline.svg"
 
-# (stage, what it hands on and how) in pipeline order, each to the next; tasks/stages.py holds the real order.
+# (stage, what it hands on and how) in pipeline order, each to the next; tasks/stages/__init__.py holds the real order.
 STAGES = [
     ("tokenize", ["corpus → BPE", "tokenizer.json", "train.bin, val.bin"]),
     ("pretrain", ["checkpoint", "(weights + optimizer,", "resumable)"]),

@@ -16,7 +16,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from cpuforge.tasks.errors import UserError
+from cpuforge.tasks.records.errors import UserError
 
 # Prefect's ephemeral local API needs ~20 s to start on a busy 2-core machine (its default
 # timeout), and its analytics service spews "database is locked" tracebacks there.
@@ -92,7 +92,7 @@ def _parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=summary, description=_wrap(f"{summary[0].upper()}{summary[1:]}. {description}"),
                               epilog=_examples(*examples), formatter_class=_Help)
 
-    from cpuforge.tasks.config import DEFAULT_PROFILE, available_profiles
+    from cpuforge.tasks.config.settings import DEFAULT_PROFILE, available_profiles
 
     def config_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--profile", help=f"named preset of every setting: {' | '.join(available_profiles())} "
@@ -227,7 +227,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise UserError(f"--temperature {args.temperature}: must be 0 (greedy) or a positive number")
     _check_utf8("--prompt", args.prompt)
     from cpuforge.models.runtime import check_prompt
-    from cpuforge.tasks.registry import open_model
+    from cpuforge.tasks.release.register import open_model
 
     lm = open_model(args.model, _model_tracking_uri(args))
     try:
@@ -274,7 +274,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UserError(f"--text {path}: cannot read it ({exc.strerror})") from None
     from cpuforge.tasks.engine.scoring import score_text
-    from cpuforge.tasks.registry import open_model
+    from cpuforge.tasks.release.register import open_model
 
     lm = open_model(args.model, _model_tracking_uri(args))
     score = score_text(lm, text)
@@ -289,7 +289,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _runs(args: argparse.Namespace) -> int:
-    from cpuforge.tasks import listing
+    from cpuforge.tasks.release import listing
 
     if args.limit <= 0:
         raise UserError(f"--limit {args.limit}: must be a positive number of runs")
@@ -311,7 +311,7 @@ def _runs(args: argparse.Namespace) -> int:
 
 
 def _models(args: argparse.Namespace) -> int:
-    from cpuforge.tasks import listing
+    from cpuforge.tasks.release import listing
 
     if args.tracking_uri:
         uri = args.tracking_uri
@@ -366,11 +366,11 @@ def _print_rows(title: str, columns: tuple[str, ...], rows: list[dict[str, Any]]
 
 
 def _show_config(args: argparse.Namespace) -> int:
-    from cpuforge.tasks.config import load_config
+    from cpuforge.tasks.config.settings import load_config
 
     cfg = load_config(args.profile, args.config, args.overrides)
     if args.explain:
-        from cpuforge.tasks.explain import explain
+        from cpuforge.tasks.config.explain import explain
 
         print(explain(cfg), end="")
     else:
@@ -390,7 +390,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from cpuforge.tasks import plan as planning
+    from cpuforge.flows import plan as planning
 
     cfg = _checked_config(args)
     workdir = Path(args.workdir).expanduser().resolve()
@@ -425,7 +425,7 @@ def _compress(args: argparse.Namespace) -> int:
     _rebuild_set(args.rebuild, stages.COMPRESS)
     cfg = _checked_config(args)  # the prune target is checked once the model's shape is known
     if args.pretrained.startswith("hf:") and Path(args.pretrained[3:]).expanduser().is_dir():
-        from cpuforge.tasks.lineage import check_hf_checkpoint
+        from cpuforge.tasks.release.lineage import check_hf_checkpoint
 
         check_hf_checkpoint(Path(args.pretrained[3:]).expanduser(), args.pretrained)  # in a second, before Prefect starts
     from cpuforge.flows.compress import compress
@@ -435,8 +435,8 @@ def _compress(args: argparse.Namespace) -> int:
 
 
 def _checked_config(args: argparse.Namespace):
-    from cpuforge.tasks.config import load_config
-    from cpuforge.tasks.corpus import stage_extra_key
+    from cpuforge.tasks.config.settings import load_config
+    from cpuforge.tasks.data.corpus import stage_extra_key
 
     cfg = load_config(args.profile, args.config, args.overrides)
     stage_extra_key(cfg)  # resolves the data source: a wrong path fails here, before any work
@@ -510,7 +510,7 @@ def _run_flow(flow_fn, **params: Any) -> int:
 
 def _check_prune_target(cfg) -> None:
     """Reject an impossible pruning target now, estimating the vocabulary by tokenizer.vocab_size."""
-    from cpuforge.tasks.prune import target_config
+    from cpuforge.tasks.stages.prune import target_config
 
     if cfg.model.unresolved:  # model.size=auto: the shape is chosen when the run starts; prune checks it then
         return

@@ -19,7 +19,7 @@ from cpuforge.flows.session import (
     run_stages,
 )
 from cpuforge.tasks import stages
-from cpuforge.tasks.lineage import CHAMPION, find_source_task
+from cpuforge.tasks.release.lineage import CHAMPION, find_source_task
 
 
 @flow(name="cpuforge-compress", log_prints=True)

@@ -1,4 +1,4 @@
-"""The cpuforge pipeline as a Prefect flow: the stages of the registry (tasks/stages.py PIPELINE) in
+"""The cpuforge pipeline as a Prefect flow: the stages of the registry (tasks/stages/__init__.py PIPELINE) in
 order, then the final model through the champion gate."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from cpuforge.flows.session import (
     run_stages,
 )
 from cpuforge.tasks import stages
-from cpuforge.tasks.lineage import find_init_task
+from cpuforge.tasks.release.lineage import find_init_task
 
 
 @flow(name="cpuforge-pipeline", log_prints=True)

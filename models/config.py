@@ -1,6 +1,6 @@
 """LlamaConfig: the shape of the decoder, with named sizes (LitGPT style).
 
-The one description of a model's shape: the config's `model` section (tasks/config.py) is made from
+The one description of a model's shape: the config's `model` section (tasks/config/settings.py) is made from
 these fields (a named size plus any field overridden), with the descriptions given here."""
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from cpuforge.models.checkpoint import save_model
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import Llama
 from cpuforge.models.runtime import choose_token
-from cpuforge.tasks.config import load_config
-from cpuforge.tasks.summary import new_summary, write_summary
+from cpuforge.tasks.config.settings import load_config
+from cpuforge.tasks.records.summary import new_summary, write_summary
 from tests.conftest import as_unprivileged
 
 ROOT = Path(__file__).resolve().parents[1]

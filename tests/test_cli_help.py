@@ -13,7 +13,7 @@ from importlib.metadata import version
 import pytest
 
 from cpuforge.flows.cli import _parser, main
-from cpuforge.tasks.config import SECTIONS, load_config
+from cpuforge.tasks.config.settings import SECTIONS, load_config
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:

@@ -18,7 +18,7 @@ def stage_code_hashes(project: Path) -> dict[str, str]:
     """Each stage's code hash, computed by a fresh interpreter on this copy of the project (laid out as
     the installed namespace, first on the path)."""
     script = ("import json; from cpuforge.tasks.infra.codehash import code_hash; "
-              f"print(json.dumps({{s: code_hash('cpuforge.tasks.' + s) for s in {STAGES!r}}}))")
+              f"print(json.dumps({{s: code_hash('cpuforge.tasks.stages.' + s) for s in {STAGES!r}}}))")
     out = subprocess.run([sys.executable, "-c", script], cwd=project, env={"PYTHONPATH": str(project)},
                          capture_output=True, text=True, check=True)
     return json.loads(out.stdout)
@@ -41,7 +41,7 @@ def test_editing_the_trainer_changes_the_training_stages_keys_and_not_tokenize(t
     assert "tokenize" not in changed and "export" not in changed
 
     # The registry and the infrastructure run, key and report stages; they compute nothing in them.
-    for name, old, new in (("stages.py", "# The final model as GGUF", "# A new stage here.\n# The final model as GGUF"),
+    for name, old, new in (("stages/__init__.py", "# The final model as GGUF", "# A new stage here.\n# The final model as GGUF"),
                            ("infra/tracking.py", "def log_run_metrics(", "def unused_helper():\n    pass\n\n\ndef log_run_metrics(")):
         module = project / "cpuforge" / "tasks" / name
         text = module.read_text()
@@ -54,7 +54,7 @@ def test_imports_inside_functions_count():
     # hardware imports the model only inside the function that measures a training step
     assert "cpuforge.models.llama" in module_closure("cpuforge.tasks.engine.hardware")
     # recover imports the training engine's launcher; the engine's trainer belongs to recover's closure through it
-    assert "cpuforge.tasks.engine.trainer" in module_closure("cpuforge.tasks.recover")
-    assert "cpuforge.tasks.engine.trainer" in module_closure("cpuforge.tasks.pretrain")
-    assert "cpuforge.models.llama" in module_closure("cpuforge.tasks.export")
-    assert all(name.split(".")[1] in ("flows", "tasks", "models") for name in module_closure("cpuforge.tasks.evaluate"))
+    assert "cpuforge.tasks.engine.trainer" in module_closure("cpuforge.tasks.stages.recover")
+    assert "cpuforge.tasks.engine.trainer" in module_closure("cpuforge.tasks.stages.pretrain")
+    assert "cpuforge.models.llama" in module_closure("cpuforge.tasks.stages.export")
+    assert all(name.split(".")[1] in ("flows", "tasks", "models") for name in module_closure("cpuforge.tasks.stages.evaluate"))

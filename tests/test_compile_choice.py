@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cpuforge.models.config import LlamaConfig
-from cpuforge.tasks.config import load_config
+from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine import compile_choice, training_run
 from cpuforge.tasks.engine.compile_choice import COMPILE_MIN_GAIN, budget_seconds, choose_compile, inductor_cache_dir
 from tests.test_pretrain import shards, spec_for  # noqa: F401  (shards is a fixture)

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from cpuforge.tasks.config import available_profiles, load_config
-from cpuforge.tasks.errors import ConfigError
+from cpuforge.tasks.config.settings import available_profiles, load_config
+from cpuforge.tasks.records.errors import ConfigError
 
 
 def test_profiles_exist_and_demo_is_default():

@@ -11,11 +11,11 @@ import pytest
 
 from cpuforge.models.config import AUTO_LADDER, LlamaConfig, ladder_shape
 from cpuforge.models.llama import config_param_count, flops_per_token
-from cpuforge.tasks.config import load_config
+from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine import sizing
-from cpuforge.tasks.errors import ConfigError
-from cpuforge.tasks.explain import explain
-from cpuforge.tasks.plan import plan
+from cpuforge.tasks.records.errors import ConfigError
+from cpuforge.tasks.config.explain import explain
+from cpuforge.flows.plan import plan
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from cpuforge.flows.session import flow_config
-from cpuforge.tasks.errors import ConfigError
+from cpuforge.tasks.records.errors import ConfigError
 from cpuforge.tasks.infra import confinement
-from cpuforge.tasks.lineage import resolve_source
+from cpuforge.tasks.release.lineage import resolve_source
 
 
 @pytest.fixture

@@ -24,14 +24,14 @@ from cpuforge.models.runtime import (
     left_pad,
     load_language_model,
 )
-from cpuforge.tasks.config import load_config
+from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths
 from cpuforge.tasks.engine.scoring import Score, alternating_speeds, score_text, score_tokens
 from cpuforge.tasks.engine.training_run import run_training
-from cpuforge.tasks.errors import DataError
+from cpuforge.tasks.records.errors import DataError
 from cpuforge.tasks.infra.store import StageRecord
-from cpuforge.tasks.quantize import choose
-from cpuforge.tasks.registry import decide
+from cpuforge.tasks.stages.quantize import choose
+from cpuforge.tasks.release.register import decide
 from tests.conftest import build_stage
 from tests.test_pretrain import shards, spec_for  # noqa: F401  (module fixture)
 
@@ -322,7 +322,7 @@ def test_quantize_reruns_over_an_interrupted_attempt(exported, tokenized, traine
 
 def test_a_model_the_builder_refuses_keeps_the_other_candidates(exported, tokenized, trained, tmp_path, monkeypatch):
     """GenAI's model builder refused a pruned model that transformers could not load, and the whole run failed."""
-    import cpuforge.tasks.quantize as quantize
+    import cpuforge.tasks.stages.quantize as quantize
     from cpuforge.models.genai_build import GenaiBuildError
 
     def refuse(hf_folder, *args, **kwargs):

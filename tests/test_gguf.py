@@ -22,12 +22,12 @@ from cpuforge.models.config import LlamaConfig
 from cpuforge.models.gguf_export import GGUFExportError, write_gguf
 from cpuforge.models.llama import Llama
 from cpuforge.models.runtime import generate
-from cpuforge.tasks.config import load_config
+from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import BatchSampler, open_shards
 from cpuforge.tasks.engine.hardware import int8_dot_product
-from cpuforge.tasks.gguf import export_gguf
+from cpuforge.tasks.stages.gguf import export_gguf
 from cpuforge.tasks.infra.store import StageRecord
-from cpuforge.tasks.tokenize import tokenize
+from cpuforge.tasks.stages.tokenize import tokenize
 from tests.conftest import make_text
 
 BLOCK = 64

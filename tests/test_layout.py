@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from cpuforge.tasks.infra.codehash import PROJECT_PACKAGES, ROOT, _imports
 
-STAGE_MODULES = {"tokenize", "pretrain", "adopt", "prune", "recover", "export", "quantize", "evaluate", "registry"}
+from cpuforge.tasks import stages
+
+STAGES_PACKAGE = "cpuforge.tasks.stages"
 
 
 def project_modules() -> list[str]:
@@ -53,10 +55,27 @@ def test_imports_flow_flows_tasks_models():
 def test_infrastructure_and_engine_import_no_stage():
     for module, targets in graph().items():
         if module.startswith(("cpuforge.tasks.infra.", "cpuforge.tasks.engine.")):
-            stages_used = {t for t in targets if t.count(".") == 2 and t.rsplit(".", 1)[1] in STAGE_MODULES}
+            stages_used = {t for t in targets if t.startswith(STAGES_PACKAGE + ".")}
             assert not stages_used, (module, stages_used)
         if module.startswith("cpuforge.tasks.infra."):
             assert not any(t.startswith("cpuforge.tasks.engine.") for t in targets), module
+
+
+def test_the_stages_folder_holds_the_registered_stages_and_nothing_else():
+    """tasks/stages/ is the pipeline: its __init__ is the registry, and every other module in it is
+    a registered stage named as in the registry (and every registered stage is there)."""
+    folder = ROOT / "tasks" / "stages"
+    modules = {p.stem for p in folder.glob("*.py")} - {"__init__"}
+    registered = {spec.module.rsplit(".", 1)[1] for spec in stages.BY_NAME.values()}
+    assert modules == registered == set(stages.BY_NAME), (modules, registered)
+    assert not [p for p in folder.iterdir() if p.is_dir() and p.name != "__pycache__"]
+
+
+def test_tasks_top_level_holds_folders_only():
+    """Every module of tasks/ stands in the folder of its role (stages, config, data, records,
+    release, engine, infra): nothing loose beside them."""
+    loose = sorted(p.name for p in (ROOT / "tasks").glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"put {loose} in the folder of its role (docs/architecture.md lists them)"
 
 
 def _imports_package(path, package: str) -> bool:

@@ -9,10 +9,10 @@ import pytest
 
 from cpuforge.models.checkpoint import save_model
 from cpuforge.models.llama import Llama
-from cpuforge.tasks.config import load_config
-from cpuforge.tasks.errors import ConfigError, ModelError
+from cpuforge.tasks.config.settings import load_config
+from cpuforge.tasks.records.errors import ConfigError, ModelError
 from cpuforge.tasks.infra import tracking
-from cpuforge.tasks.lineage import (
+from cpuforge.tasks.release.lineage import (
     TAG_PRETRAIN_RUN,
     data_identity,
     resolve_init,

@@ -10,7 +10,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.context import TaskRunContext
 
-from cpuforge.tasks.config import load_config
+from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards
 from cpuforge.tasks.engine.training_run import PROGRESS_FILE, TrainingSpec, execute
 from cpuforge.tasks.infra import live

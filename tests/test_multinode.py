@@ -28,12 +28,12 @@ import pytest
 from safetensors.torch import load_file
 
 from cpuforge.models.checkpoint import load_model
-from cpuforge.tasks.config import load_config
+from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards
 from cpuforge.tasks.engine.rendezvous import torchrun_command
 from cpuforge.tasks.engine.training_run import TrainingSpec, run_training
-from cpuforge.tasks.errors import ConfigError
-from cpuforge.tasks.tokenize import tokenize
+from cpuforge.tasks.records.errors import ConfigError
+from cpuforge.tasks.stages.tokenize import tokenize
 from tests.test_pretrain import shards  # noqa: F401  (the shared fixture: tokenized tiny shards)
 
 pytestmark = pytest.mark.slow

@@ -16,8 +16,8 @@ from prefect import flow
 from prefect.states import Crashed, Failed
 
 from cpuforge.tasks import stages
-from cpuforge.tasks.config import load_config
-from cpuforge.tasks.errors import DataError
+from cpuforge.tasks.config.settings import load_config
+from cpuforge.tasks.records.errors import DataError
 from cpuforge.tasks.infra import tracking
 from cpuforge.tasks.infra.locks import training_slot
 from cpuforge.tasks.infra.runner import stage_task

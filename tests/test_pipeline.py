@@ -213,7 +213,7 @@ def check_deploy_stages(summary: dict, client, workdir: Path) -> None:
     assert registry["aliases"] == ["candidate", "champion"] and registry["reason"] == "there is no champion yet"
     version = client.get_model_version_by_alias("cpuforge-lm", "champion")
     assert str(version.version) == "1" and version.tags["cpuforge.gate_decision"] == "promoted"
-    from cpuforge.tasks.registry import open_model
+    from cpuforge.tasks.release.register import open_model
 
     champion = open_model("models:/cpuforge-lm@champion", f"sqlite:///{workdir}/mlflow.db")
     assert champion.kind == "onnx" and champion.params == by_name["onnx-int8"]["params"]

@@ -10,9 +10,9 @@ import pytest
 from pydantic import ValidationError
 
 from cpuforge.tasks import stages
-from cpuforge.tasks.config import SECTIONS, load_config
+from cpuforge.tasks.config.settings import SECTIONS, load_config
 from cpuforge.tasks.infra.stage import NOT_IN_KEY
-from cpuforge.tasks.plan import plan
+from cpuforge.flows.plan import plan
 
 ORDER = stages.names()
 
@@ -92,7 +92,15 @@ def test_every_setting_rekeys_the_stages_that_declare_it_and_those_after_them(tm
 
 
 def test_the_stage_modules_take_their_declarations_from_the_registry():
-    from cpuforge.tasks import adopt, evaluate, export, gguf, pretrain, prune, quantize, recover, tokenize
+    from cpuforge.tasks.stages import adopt
+    from cpuforge.tasks.stages import evaluate
+    from cpuforge.tasks.stages import export
+    from cpuforge.tasks.stages import gguf
+    from cpuforge.tasks.stages import pretrain
+    from cpuforge.tasks.stages import prune
+    from cpuforge.tasks.stages import quantize
+    from cpuforge.tasks.stages import recover
+    from cpuforge.tasks.stages import tokenize
 
     modules = (tokenize, pretrain, adopt, prune, recover, export, quantize, evaluate, gguf)
     assert {m.SPEC.name: m.SPEC for m in modules} == stages.BY_NAME
@@ -113,7 +121,7 @@ def test_a_stage_sees_only_the_config_sections_it_declares():
 
 
 def test_evaluate_measures_every_variant_the_registry_declares():
-    from cpuforge.tasks.evaluate import variant_paths
+    from cpuforge.tasks.stages.evaluate import variant_paths
     from cpuforge.tasks.infra.store import StageRecord
 
     records = {name: StageRecord(stage=name, key=name, output_dir=f"/out/{name}", files={"model": "m", "onnx": "x.onnx"})
@@ -142,4 +150,4 @@ def test_rebuild_names_a_stage_and_everything_that_reads_it():
 def test_the_docs_list_the_stages_of_the_registry():
     page = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
     listed = page.split("<!-- stages:begin -->\n")[1].split("<!-- stages:end -->")[0]
-    assert listed == stages.markdown_table(), "regenerate with: python -m cpuforge.tasks.stages"
+    assert listed == stages.markdown_table(), "regenerate with: python docs/diagram.py"

@@ -23,15 +23,15 @@ from safetensors.torch import load_file
 from cpuforge.models.checkpoint import save_training_checkpoint
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import Llama
-from cpuforge.tasks.config import load_config
+from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.allocator import keep_freed_memory
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, unigram_bpb
 from cpuforge.tasks.engine.hardware import peak_rss_mb
 from cpuforge.tasks.engine.trainer import lr_at
 from cpuforge.tasks.engine.training_run import TrainingSpec, launch_torchrun, run_training, settings
-from cpuforge.tasks.errors import DataError, UserError
-from cpuforge.tasks.pretrain import _check_resumable
-from cpuforge.tasks.tokenize import tokenize
+from cpuforge.tasks.records.errors import DataError, UserError
+from cpuforge.tasks.stages.pretrain import _check_resumable
+from cpuforge.tasks.stages.tokenize import tokenize
 from tests.conftest import make_text
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,12 +13,12 @@ from cpuforge.models.config import LlamaConfig
 from cpuforge.models.importance import activation_importance
 from cpuforge.models.llama import Llama, config_param_count, param_count
 from cpuforge.models.prune import Keep, choose_keep, keep_all, prune
-from cpuforge.tasks.config import load_config
+from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.trainer import evaluate, train
-from cpuforge.tasks.errors import ConfigError, UserError
+from cpuforge.tasks.records.errors import ConfigError, UserError
 from cpuforge.tasks.infra.store import StageRecord
-from cpuforge.tasks.prune import calibration_batches, target_config
+from cpuforge.tasks.stages.prune import calibration_batches, target_config
 from tests.conftest import build_stage
 from tests.test_pretrain import shards, spec_for  # noqa: F401 (fixture)
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cpuforge.tasks.config import load_config
-from cpuforge.tasks.corpus import list_source_files, load_corpus, stage_extra_key, stdlib_root
-from cpuforge.tasks.encoding import decode_shard, shard_dtype
-from cpuforge.tasks.errors import ConfigError, DataError
-from cpuforge.tasks.tokenize import (
+from cpuforge.tasks.config.settings import load_config
+from cpuforge.tasks.data.corpus import list_source_files, load_corpus, stage_extra_key, stdlib_root
+from cpuforge.tasks.data.encoding import decode_shard, shard_dtype
+from cpuforge.tasks.records.errors import ConfigError, DataError
+from cpuforge.tasks.stages.tokenize import (
     chunk_documents,
     split_documents,
     tokenize,
@@ -246,8 +246,8 @@ def test_encoding_in_parallel_on_a_process_pool_or_dask_writes_the_same_shards(t
 
 
 def test_encode_runner_auto_takes_one_process_where_a_pool_is_not_faster(monkeypatch):
-    import cpuforge.tasks.parallel_encode as parallel_encode
-    from cpuforge.tasks.config import DataConfig
+    import cpuforge.tasks.data.parallel_encode as parallel_encode
+    from cpuforge.tasks.config.settings import DataConfig
 
     assert DataConfig().encode_runner == "auto"
     monkeypatch.setattr(parallel_encode, "available_cores", lambda: 2)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from cpuforge.tasks.errors import DataError
+from cpuforge.tasks.records.errors import DataError
 
 
 @dataclass

@@ -17,8 +17,8 @@ import struct
 import sys
 from pathlib import Path
 
-from cpuforge.tasks.config import TrainConfig
-from cpuforge.tasks.errors import ConfigError
+from cpuforge.tasks.config.settings import TrainConfig
+from cpuforge.tasks.records.errors import ConfigError
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 

@@ -20,7 +20,7 @@ import numpy as np
 from cpuforge.models.runtime import LanguageModel, generate, load_language_model
 from cpuforge.tasks.engine.data import bits_per_byte, open_shards, token_byte_lengths
 from cpuforge.tasks.engine.hardware import peak_rss_mb
-from cpuforge.tasks.errors import DataError
+from cpuforge.tasks.records.errors import DataError
 
 
 @dataclass

@@ -10,7 +10,7 @@ the first measurement: repeated runs (and `cpuforge plan`) choose the same shape
 The choice: the rung whose expected tokens per parameter within the budget is closest to TOKENS_PER_PARAM
 (the sweet spot found by benchmarks/size_sweep.py at equal wall-clock on the demo corpus); any model field
 the user set stays as set, the rungs only fill the others. It is made before any stage key is computed
-(flows/session.py for a run, tasks/plan.py for `cpuforge plan`), so the pretrain key holds the shape.
+(flows/session.py for a run, flows/plan.py for `cpuforge plan`), so the pretrain key holds the shape.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 
 from cpuforge.models.config import AUTO_LADDER, LlamaConfig, ModelConfigError, ladder_shape
 from cpuforge.models.llama import config_param_count, flops_per_token
-from cpuforge.tasks.config import AUTO_FIELDS as _AUTO_FIELDS
-from cpuforge.tasks.errors import ConfigError
+from cpuforge.tasks.config.settings import AUTO_FIELDS as _AUTO_FIELDS
+from cpuforge.tasks.records.errors import ConfigError
 
 log = logging.getLogger("cpuforge.sizing")
 

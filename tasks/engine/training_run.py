@@ -28,7 +28,7 @@ from cpuforge.models.config import LlamaConfig
 from cpuforge.models.fileio import atomic_write_text
 from cpuforge.models.hf_format import write_tokenizer
 from cpuforge.models.llama import Llama, flops_per_token, zero_residual_projections
-from cpuforge.tasks.config import RecoverConfig, TrainConfig
+from cpuforge.tasks.config.settings import RecoverConfig, TrainConfig
 from cpuforge.tasks.engine import sharding
 from cpuforge.tasks.engine.compile_choice import budget_seconds, choose_compile, use_inductor_cache
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches

@@ -19,11 +19,13 @@ ROOT = Path(__file__).resolve().parents[2]  # the folder holding flows/, tasks/,
 # What runs, keys, stores and reports a stage rather than what it computes: the registry's
 # declarations (a stage's version, sections and inputs are in its key already) and the pipeline's
 # infrastructure. Editing them (adding a stage, a tracking fix) must not rebuild every stage.
+# The registry is the stages package's __init__ (the stage modules beside it do compute).
 NOT_COMPUTING = ("cpuforge.tasks.stages", "cpuforge.tasks.infra")
+NOT_COMPUTING_PACKAGES = ("cpuforge.tasks.infra",)
 
 
 def _computes(module: str) -> bool:
-    return not any(module == prefix or module.startswith(prefix + ".") for prefix in NOT_COMPUTING)
+    return module not in NOT_COMPUTING and not any(module.startswith(p + ".") for p in NOT_COMPUTING_PACKAGES)
 
 
 def _source_file(module: str) -> Path | None:

@@ -18,9 +18,9 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
-from cpuforge.tasks.config import Config
-from cpuforge.tasks.corpus import HUB_PREFIX
-from cpuforge.tasks.errors import ConfigError
+from cpuforge.tasks.config.settings import Config
+from cpuforge.tasks.data.corpus import HUB_PREFIX
+from cpuforge.tasks.records.errors import ConfigError
 
 ALLOWED_ROOTS_ENV = "CPUFORGE_ALLOWED_ROOTS"
 DASK_ALLOWED_ENV = "CPUFORGE_DASK_ALLOWED"

@@ -20,7 +20,7 @@ from typing import Any
 from cpuforge.tasks.infra.tracking import _mlflow
 
 HISTORY_PREFIX = "cpuforge.alias_history."
-# Version tags (tasks/registry.py writes them; `cpuforge models` reads them).
+# Version tags (tasks/release/register.py writes them; `cpuforge models` reads them).
 TAG_SOURCE_KEY = "cpuforge.quantize_key"
 TAG_VAL_BPB = "cpuforge.val_bpb"  # as the evaluate stage measured it on its val tokens
 TAG_DECISION = "cpuforge.gate_decision"

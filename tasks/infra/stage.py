@@ -1,6 +1,6 @@
 """Running one stage: key it, reuse it if the store has it, else build it, and track it either way.
 
-Every stage module defines ``SPEC`` (its entry in tasks/stages.py) and a plain function
+Every stage module defines ``SPEC`` (its entry in tasks/stages/__init__.py) and a plain function
 ``work(run: StageRun, <one argument per declared config section>) -> StageOutput``. The work function
 gets its declared sections (typed) and its inputs' records, nothing else, so it cannot read a
 setting that is not in its key. ``run_stage`` does the rest, so the caching, atomicity and tracking
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cpuforge.tasks.config import Config
-from cpuforge.tasks.errors import UserError
+from cpuforge.tasks.config.settings import Config
+from cpuforge.tasks.records.errors import UserError
 from cpuforge.tasks.infra import live, tracking
 from cpuforge.tasks.infra.codehash import code_hash, module_hashes
 from cpuforge.tasks.infra.store import StageRecord, StageStore, stage_key
@@ -87,7 +87,7 @@ class StageRun:
     inputs: dict[str, StageRecord]  # by the names in StageSpec.needs
     workdir: Path
     tracking_uri: str = ""
-    source: Any = None  # the pretrained weights the run starts from (tasks/lineage.py PretrainedSource), if any
+    source: Any = None  # the pretrained weights the run starts from (tasks/release/lineage.py PretrainedSource), if any
     report: live.Report = live.nothing  # report(fraction, headline): the stage's live progress in Prefect
 
     @property

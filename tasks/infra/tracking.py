@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from cpuforge.tasks.config import Config
-from cpuforge.tasks.errors import ModelError
+from cpuforge.tasks.config.settings import Config
+from cpuforge.tasks.records.errors import ModelError
 from cpuforge.tasks.infra.locks import hold
 
 log = logging.getLogger("cpuforge.tracking")

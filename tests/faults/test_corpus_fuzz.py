@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-import cpuforge.tasks.corpus as corpus_module
+import cpuforge.tasks.data.corpus as corpus_module
 from cpuforge.flows.cli import main
-from cpuforge.tasks.config import load_config
-from cpuforge.tasks.corpus import load_corpus, stage_extra_key
-from cpuforge.tasks.errors import DataError
+from cpuforge.tasks.config.settings import load_config
+from cpuforge.tasks.data.corpus import load_corpus, stage_extra_key
+from cpuforge.tasks.records.errors import DataError
 from tests.conftest import as_unprivileged, make_text
 
 

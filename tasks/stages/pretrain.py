@@ -17,7 +17,7 @@ from cpuforge.models.checkpoint import CheckpointError, latest_valid_checkpoint,
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import config_param_count
 from cpuforge.tasks import stages
-from cpuforge.tasks.config import AUTO, ModelConfig, TrainConfig
+from cpuforge.tasks.config.settings import AUTO, ModelConfig, TrainConfig
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, unigram_bpb
 from cpuforge.tasks.engine.sizing import explain_shape
 from cpuforge.tasks.engine.training_run import (
@@ -29,11 +29,11 @@ from cpuforge.tasks.engine.training_run import (
     training_spec,
     world_size,
 )
-from cpuforge.tasks.errors import UserError
+from cpuforge.tasks.records.errors import UserError
 from cpuforge.tasks.infra import tracking
 from cpuforge.tasks.infra.stage import StageOutput, StageRun, key_config
-from cpuforge.tasks.model_card import made_by, write_model_card
-from cpuforge.tasks.reports import training_reports
+from cpuforge.tasks.release.model_card import made_by, write_model_card
+from cpuforge.tasks.release.reports import training_reports
 
 log = logging.getLogger("cpuforge.pretrain")
 

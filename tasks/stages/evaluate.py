@@ -29,12 +29,12 @@ from prefect.context import TaskRunContext
 
 from cpuforge.models.fileio import atomic_write_json, atomic_write_text
 from cpuforge.tasks import stages
-from cpuforge.tasks.config import EvalConfig
+from cpuforge.tasks.config.settings import EvalConfig
 from cpuforge.tasks.engine.hardware import available_cores
 from cpuforge.tasks.infra import live, tracking
 from cpuforge.tasks.infra.stage import StageOutput, StageRun
 from cpuforge.tasks.infra.store import StageRecord
-from cpuforge.tasks.reports import SAMPLE_SEED
+from cpuforge.tasks.release.reports import SAMPLE_SEED
 
 log = logging.getLogger("cpuforge.evaluate")
 

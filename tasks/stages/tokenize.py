@@ -17,14 +17,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from cpuforge.models.fileio import atomic_write_json
 from cpuforge.tasks import stages
-from cpuforge.tasks.config import DataConfig, TokenizerConfig
-from cpuforge.tasks.corpus import Corpus, load_corpus
-from cpuforge.tasks.encoding import encode_to_shard, shard_dtype
+from cpuforge.tasks.config.settings import DataConfig, TokenizerConfig
+from cpuforge.tasks.data.corpus import Corpus, load_corpus
+from cpuforge.tasks.data.encoding import encode_to_shard, shard_dtype
 from cpuforge.tasks.engine.progress import progress_bar
-from cpuforge.tasks.errors import DataError
+from cpuforge.tasks.records.errors import DataError
 from cpuforge.tasks.infra import live
 from cpuforge.tasks.infra.stage import StageOutput, StageRun
-from cpuforge.tasks.parallel_encode import choose_runner, encode_split_in_parallel
+from cpuforge.tasks.data.parallel_encode import choose_runner, encode_split_in_parallel
 
 log = logging.getLogger("cpuforge.tokenize")
 

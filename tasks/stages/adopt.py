@@ -1,7 +1,7 @@
 """Stage 2 of the compression flow, adopt: an existing pretrained model takes the place of pretraining.
 
 The model (a folder, a run's artifact, the champion's pretrained weights, or a transformers Llama
-checkpoint: see tasks/lineage.py) is written into the store as ``model/`` in cpuforge's layout
+checkpoint: see tasks/release/lineage.py) is written into the store as ``model/`` in cpuforge's layout
 (float32, with its tokenizer and a model card) and scored on the val split exactly as pretraining scores
 its own, so prune, recover and evaluate see the same kind of record either way.
 """
@@ -18,14 +18,14 @@ from cpuforge.models.checkpoint import CheckpointError, load_model, save_model
 from cpuforge.models.hf_format import write_tokenizer
 from cpuforge.models.llama import Llama, config_param_count
 from cpuforge.tasks import stages
-from cpuforge.tasks.config import ModelConfig, TrainConfig
+from cpuforge.tasks.config.settings import ModelConfig, TrainConfig
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, unigram_bpb, val_batches
 from cpuforge.tasks.engine.trainer import evaluate
-from cpuforge.tasks.errors import ModelError
+from cpuforge.tasks.records.errors import ModelError
 from cpuforge.tasks.infra.stage import StageOutput, StageRun, key_config
 from cpuforge.tasks.infra.store import StageRecord
-from cpuforge.tasks.lineage import PretrainedSource
-from cpuforge.tasks.model_card import made_by, write_model_card
+from cpuforge.tasks.release.lineage import PretrainedSource
+from cpuforge.tasks.release.model_card import made_by, write_model_card
 
 SPEC = stages.ADOPT
 

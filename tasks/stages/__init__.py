@@ -1,4 +1,4 @@
-"""The stage registry: one declaration per stage — its name, the stages whose outputs it takes, the
+"""The stage registry (this package's __init__; the stage modules stand beside it): one declaration per stage — its name, the stages whose outputs it takes, the
 config sections it reads (its work function's arguments, and its key), the named outputs it
 provides, its module — and the order the flows run them in.
 
@@ -6,9 +6,9 @@ The flows, `cpuforge plan`, `--rebuild`, evaluate's list of model variants and t
 come from here. This module imports no stage (they pull in torch, Prefect and onnxruntime), so
 `cpuforge plan` can key every stage in about a second.
 
-Adding a stage: a module tasks/<name>.py with ``SPEC = stages.<NAME>`` and ``work(run, <sections>)``,
+Adding a stage: a module tasks/stages/<name>.py (beside this file) with ``SPEC = stages.<NAME>`` and ``work(run, <sections>)``,
 one StageSpec below placed in PIPELINE (and COMPRESS), and its config section if it has settings
-(tasks/config.py). Nothing else: see docs/architecture.md.
+(tasks/config/settings.py). Nothing else: see docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -18,40 +18,40 @@ from typing import Any
 from cpuforge.tasks.infra.stage import StageSpec
 
 TOKENIZE = StageSpec(
-    name="tokenize", version="1", sections=("data", "tokenizer"), module="cpuforge.tasks.tokenize",
+    name="tokenize", version="1", sections=("data", "tokenizer"), module="cpuforge.tasks.stages.tokenize",
     provides=("tokenizer", "train", "val", "meta"), kind="service", extra="corpus",  # a hub download may fail, then work
 )
 PRETRAIN = StageSpec(
-    name="pretrain", version="1", sections=("model", "train"), module="cpuforge.tasks.pretrain", needs=("tokenize",),
+    name="pretrain", version="1", sections=("model", "train"), module="cpuforge.tasks.stages.pretrain", needs=("tokenize",),
     provides=("model", "tokenizer"), resumable=True, kind="training", evaluates=("pretrained", "model"), extra="source",
 )
 # The compression flow's stand-in for pretrain: an existing model copied in.
 ADOPT = StageSpec(
-    name="adopt", version="1", sections=("model", "train"), module="cpuforge.tasks.adopt", needs=("tokenize",),
+    name="adopt", version="1", sections=("model", "train"), module="cpuforge.tasks.stages.adopt", needs=("tokenize",),
     provides=("model", "tokenizer"), evaluates=("pretrained", "model"), stands_for="pretrain", extra="source",
 )
 PRUNE = StageSpec(
-    name="prune", version="1", sections=("prune",), module="cpuforge.tasks.prune", needs=("tokenize", "pretrain"),
+    name="prune", version="1", sections=("prune",), module="cpuforge.tasks.stages.prune", needs=("tokenize", "pretrain"),
     provides=("model", "tokenizer"), evaluates=("pruned", "model"),
 )
 RECOVER = StageSpec(
-    name="recover", version="1", sections=("recover", "train"), module="cpuforge.tasks.recover",
+    name="recover", version="1", sections=("recover", "train"), module="cpuforge.tasks.stages.recover",
     needs=("tokenize", "pretrain", "prune"), provides=("model", "tokenizer"), resumable=True, kind="training",
     evaluates=("recovered", "model"),
 )
 EXPORT = StageSpec(
-    name="export", version="1", sections=("export",), module="cpuforge.tasks.export", needs=("tokenize", "recover"),
+    name="export", version="1", sections=("export",), module="cpuforge.tasks.stages.export", needs=("tokenize", "recover"),
     provides=("onnx",), evaluates=("onnx-fp32", "onnx"),
 )
 QUANTIZE = StageSpec(
     # 2: the rule weighs decode; 3: the model builder's candidates, built from recover's transformers folder
-    name="quantize", version="3", sections=("quantize",), module="cpuforge.tasks.quantize",
+    name="quantize", version="3", sections=("quantize",), module="cpuforge.tasks.stages.quantize",
     needs=("tokenize", "recover", "export"), provides=("onnx",), evaluates=("onnx-int8", "onnx"),
 )
 
 _MODEL_STAGES = (PRETRAIN, PRUNE, RECOVER, EXPORT, QUANTIZE)
 EVALUATE = StageSpec(
-    name="evaluate", version="2", sections=("eval",), module="cpuforge.tasks.evaluate",  # 2: speeds alternate
+    name="evaluate", version="2", sections=("eval",), module="cpuforge.tasks.stages.evaluate",  # 2: speeds alternate
     # every stage that makes a model variant: evaluate measures them all on the same tokens
     needs=("tokenize", *(spec.name for spec in _MODEL_STAGES)), provides=("variants", "report", "samples"),
 )
@@ -59,7 +59,7 @@ EVALUATE = StageSpec(
 # The final model as GGUF for llama.cpp. After evaluate: it takes only tokenize and recover, and
 # `--rebuild evaluate` need not redo it.
 GGUF = StageSpec(
-    name="gguf", version="1", sections=(), module="cpuforge.tasks.gguf", needs=("tokenize", "recover"),
+    name="gguf", version="1", sections=(), module="cpuforge.tasks.stages.gguf", needs=("tokenize", "recover"),
     provides=("gguf_f32", "gguf_q8_0"),
 )
 
@@ -99,7 +99,7 @@ def extra_key(spec: StageSpec, cfg: Any, source: Any) -> Any:
     """What the stage's key holds besides config, inputs and code: the corpus' files (tokenize), or the
     hash of the weights the run starts from (pretrain, adopt)."""
     if spec.extra == "corpus":
-        from cpuforge.tasks.corpus import stage_extra_key
+        from cpuforge.tasks.data.corpus import stage_extra_key
 
         return stage_extra_key(cfg)
     if spec.extra == "source":
@@ -115,7 +115,3 @@ def markdown_table(order: tuple[StageSpec, ...] = PIPELINE) -> str:
         rows.append(f"| {spec.name} | {', '.join(spec.needs) or '-'} | {', '.join(spec.sections)} | "
                     f"{', '.join(spec.provides)} | {variant or '-'} |")
     return "\n".join(rows) + "\n"
-
-
-if __name__ == "__main__":  # python -m cpuforge.tasks.stages: the table for docs/architecture.md
-    print(markdown_table(), end="")

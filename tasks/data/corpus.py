@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cpuforge.tasks.config import Config, DataConfig
-from cpuforge.tasks.errors import DataError
+from cpuforge.tasks.config.settings import Config, DataConfig
+from cpuforge.tasks.records.errors import DataError
 
 log = logging.getLogger("cpuforge.corpus")
 
@@ -386,7 +386,7 @@ def _require_text(corpus: Corpus, data: DataConfig) -> None:
 
 def stage_extra_key(cfg: Config) -> dict[str, str | None]:
     """What besides the config determines the tokenize stage's output: the source's content and a
-    given tokenizer file. Here, not in tasks/tokenize.py, so that planning needs no heavy import."""
+    given tokenizer file. Here, not in tasks/stages/tokenize.py, so that planning needs no heavy import."""
     tok_hash = None  # the tokenize stage's extra key
     if cfg.tokenizer.path:
         tok_path = Path(cfg.tokenizer.path).expanduser()

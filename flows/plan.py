@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cpuforge.tasks import stages
-from cpuforge.tasks.config import Config
+from cpuforge.tasks.config.settings import Config
 from cpuforge.tasks.engine.sizing import resolve_auto_size
 from cpuforge.tasks.infra.stage import StageSpec, key_of, key_parts
 from cpuforge.tasks.infra.store import RECORD_FILE, StageRecord, StageStore

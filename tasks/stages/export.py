@@ -28,9 +28,9 @@ from cpuforge.models.onnx_export import META_EOD, META_TOKENIZER, export_decoder
 from cpuforge.models.onnx_layout import GENAI_CONFIG, TOKENIZER, TOKENIZER_CONFIG, write_layout
 from cpuforge.models.runtime import TorchDecoder, generate, load_language_model
 from cpuforge.tasks import stages
-from cpuforge.tasks.config import ExportConfig
+from cpuforge.tasks.config.settings import ExportConfig
 from cpuforge.tasks.engine.data import open_shards, val_batches
-from cpuforge.tasks.errors import ModelError
+from cpuforge.tasks.records.errors import ModelError
 from cpuforge.tasks.infra.stage import StageOutput, StageRun
 from cpuforge.tasks.infra.store import StageRecord
 

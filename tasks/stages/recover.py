@@ -15,7 +15,7 @@ from pathlib import Path
 from cpuforge.models.checkpoint import read_config
 from cpuforge.models.llama import config_param_count, flops_per_token
 from cpuforge.tasks import stages
-from cpuforge.tasks.config import RecoverConfig, TrainConfig
+from cpuforge.tasks.config.settings import RecoverConfig, TrainConfig
 from cpuforge.tasks.engine.data import open_shards
 from cpuforge.tasks.engine.training_run import (
     compile_metrics,
@@ -26,11 +26,11 @@ from cpuforge.tasks.engine.training_run import (
     training_spec,
     world_size,
 )
-from cpuforge.tasks.errors import UserError
+from cpuforge.tasks.records.errors import UserError
 from cpuforge.tasks.infra import tracking
 from cpuforge.tasks.infra.stage import StageOutput, StageRun, key_config
-from cpuforge.tasks.model_card import made_by, write_model_card
-from cpuforge.tasks.reports import training_reports
+from cpuforge.tasks.release.model_card import made_by, write_model_card
+from cpuforge.tasks.release.reports import training_reports
 
 log = logging.getLogger("cpuforge.recover")
 

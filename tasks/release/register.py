@@ -30,7 +30,7 @@ from cpuforge.models.runtime import LanguageModel, ModelLoadError, load_language
 from cpuforge.tasks import stages
 from cpuforge.tasks.engine.data import open_shards
 from cpuforge.tasks.engine.scoring import Score, score_text
-from cpuforge.tasks.errors import DataError, ModelError
+from cpuforge.tasks.records.errors import DataError, ModelError
 from cpuforge.tasks.infra import model_registry, tracking
 from cpuforge.tasks.infra.model_registry import (
     TAG_DECISION,
@@ -75,7 +75,7 @@ def register(ctx: StageContext, tokenized: StageRecord, quantized: StageRecord, 
              lineage: dict[str, str] | None = None) -> dict[str, Any]:
     """Register the final model (or find the version that already holds it) and run the champion gate.
 
-    ``lineage``: version tags saying where its pretrained weights and data came from (tasks/lineage.py).
+    ``lineage``: version tags saying where its pretrained weights and data came from (tasks/release/lineage.py).
     """
     from cpuforge.tasks.infra import text_model  # imports MLflow: not before a run needs it
 

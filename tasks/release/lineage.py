@@ -25,9 +25,9 @@ from prefect.cache_policies import NO_CACHE
 
 from cpuforge.models.checkpoint import CheckpointError, read_config
 from cpuforge.models.fileio import sha256_file
-from cpuforge.tasks.config import Config, ModelConfig
-from cpuforge.tasks.corpus import source_fingerprint
-from cpuforge.tasks.errors import ConfigError, ModelError
+from cpuforge.tasks.config.settings import Config, ModelConfig
+from cpuforge.tasks.data.corpus import source_fingerprint
+from cpuforge.tasks.records.errors import ConfigError, ModelError
 from cpuforge.tasks.infra import confinement, model_registry, tracking
 from cpuforge.tasks.infra.stage import NOT_IN_KEY, SERVICE_RETRIES
 

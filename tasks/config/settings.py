@@ -17,7 +17,7 @@ import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from cpuforge.models.config import SIZES, LlamaConfig, ModelConfigError, llama_fields
-from cpuforge.tasks.errors import ConfigError
+from cpuforge.tasks.records.errors import ConfigError
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
 DEFAULT_PROFILE = "demo"
@@ -325,7 +325,7 @@ class QuantizeConfig(Section):
     calib_batches: int = Field(8, gt=0, description="Train-split batches for static calibration.")
     max_bpb_increase: float = Field(
         0.01, ge=0, description="Only int8 variants whose bits per byte is at most this fraction above the fp32 "
-        "ONNX model's compete on speed (prefill and decode, see tasks/quantize.py); if none is, keep the most accurate.")
+        "ONNX model's compete on speed (prefill and decode, see tasks/stages/quantize.py); if none is, keep the most accurate.")
     min_token_agreement: float = Field(
         0.97, ge=0, le=1, description="...and whose greedy next-token choice agrees with the fp32 ONNX model's on at "
         "least this fraction of the scored tokens.")

@@ -1,5 +1,5 @@
 """`cpuforge config --explain`: every setting with its description, type, default and resolved value,
-read from the pydantic fields of tasks/config.py (their descriptions are the documentation)."""
+read from the pydantic fields of tasks/config/settings.py (their descriptions are the documentation)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic_core import PydanticUndefined
 
-from cpuforge.tasks.config import SECTIONS, Config
+from cpuforge.tasks.config.settings import SECTIONS, Config
 
 
 @dataclass(frozen=True)

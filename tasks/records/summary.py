@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from cpuforge.models.fileio import atomic_write_json, atomic_write_text
-from cpuforge.tasks.config import Config
+from cpuforge.tasks.config.settings import Config
 from cpuforge.tasks.infra.store import StageRecord
 
 log = logging.getLogger("cpuforge.summary")

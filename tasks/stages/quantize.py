@@ -66,7 +66,7 @@ from cpuforge.models.onnx_export import (
 from cpuforge.models.onnx_layout import GENAI_CONFIG, copy_layout, use_decoder_of
 from cpuforge.models.runtime import load_language_model
 from cpuforge.tasks import stages
-from cpuforge.tasks.config import QuantizeConfig
+from cpuforge.tasks.config.settings import QuantizeConfig
 from cpuforge.tasks.engine.data import BatchSampler, open_shards, token_byte_lengths
 from cpuforge.tasks.engine.hardware import int8_dot_product
 from cpuforge.tasks.engine.scoring import Samples, alternating_speeds, best, score_and_greedy, spread

@@ -19,8 +19,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from tokenizers import Tokenizer
 
-from cpuforge.tasks.config import DataConfig
-from cpuforge.tasks.encoding import encode_to_array
+from cpuforge.tasks.config.settings import DataConfig
+from cpuforge.tasks.data.encoding import encode_to_array
 from cpuforge.tasks.engine.hardware import available_cores
 
 log = logging.getLogger("cpuforge.tokenize")
