@@ -22,7 +22,8 @@ import torch
 
 from cpuforge.models.llama import flops_per_token
 from cpuforge.tasks.config.settings import load_config
-from cpuforge.tasks.engine.hardware import available_cores, choose_precision, measure_matmul_peak, peak_size
+from cpuforge.tasks.engine.hardware import available_cores, measure_matmul_peak, peak_size
+from cpuforge.tasks.engine.step_timing import choose_precision
 
 
 def best_seconds(fn, repeats: int) -> float:

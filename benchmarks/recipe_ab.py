@@ -50,7 +50,7 @@ import torch
 from cpuforge.models.llama import Llama, zero_residual_projections
 from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import BatchSampler, open_shards, token_byte_lengths, val_batches
-from cpuforge.tasks.engine.hardware import choose_precision
+from cpuforge.tasks.engine.step_timing import choose_precision
 from cpuforge.tasks.engine.losses import lm_loss
 from cpuforge.tasks.engine.trainer import make_optimizer, train
 from cpuforge.tasks.engine.training_run import settings

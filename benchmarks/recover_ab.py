@@ -32,7 +32,8 @@ from cpuforge.models.checkpoint import load_model
 from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.losses import distillation_loss
-from cpuforge.tasks.engine.trainer import evaluate, train
+from cpuforge.tasks.engine.trainer import train
+from cpuforge.tasks.engine.validation import evaluate
 from cpuforge.tasks.engine.training_run import recover_settings, threads_per_process
 
 

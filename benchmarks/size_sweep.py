@@ -35,7 +35,8 @@ from cpuforge.models.llama import Llama, config_param_count
 from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.sizing import measure_shapes, training_dtype
-from cpuforge.tasks.engine.trainer import evaluate, train
+from cpuforge.tasks.engine.trainer import train
+from cpuforge.tasks.engine.validation import evaluate
 from cpuforge.tasks.engine.training_run import settings
 from cpuforge.tasks.stages.tokenize import tokenize
 

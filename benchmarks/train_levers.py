@@ -24,7 +24,7 @@ as tasks/engine/trainer.make_optimizer does, unless named otherwise. Variants:
 other processes keep busy it counts the work a variant does, not the time it waited for a core.
 Use it with --threads 1 (with more, threads spinning at a barrier count as work).
 --precision auto (the default) times the steps in the precision train.precision=auto picks on this CPU
-(tasks/engine/hardware.choose_precision, measured): bf16 means autocast, as the trainer runs it, with
+(tasks/engine/step_timing.choose_precision, measured): bf16 means autocast, as the trainer runs it, with
 the cross-entropy in fp32.
 """
 
@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import Llama, apply_rope
 from cpuforge.tasks.config.settings import load_config
-from cpuforge.tasks.engine.hardware import available_cores, choose_precision
+from cpuforge.tasks.engine.hardware import available_cores
+from cpuforge.tasks.engine.step_timing import choose_precision
 
 
 def attention_before(self, x, cos, sin, cache=None, mask=None):

@@ -8,7 +8,7 @@ Same dimensions, batch, sequence, loss, AdamW, threads and precision; rounds alt
 the two so machine noise hits both alike; prints median tokens/s of each, the ratio, and MFU
 against this machine's measured matmul peak in the precision the steps ran in. --precision auto
 (the default) is what the pipeline would pick: the same measured A/B of a training step
-(tasks/hardware.choose_precision; bf16 is not timed on a CPU without native bf16); fp32 or bf16
+(tasks/engine/step_timing.choose_precision; bf16 is not timed on a CPU without native bf16); fp32 or bf16
 forces one (bf16 = autocast, as the trainer runs it). --compile (default: the profile's
 train.compile, auto) also times cpuforge under torch.compile; with auto the goal line reports the
 step the pipeline would train with, compiled only where compile_choice.compile_pays
@@ -33,7 +33,8 @@ from cpuforge.models.llama import Llama, flops_per_token, param_count
 from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.allocator import keep_freed_memory
 from cpuforge.tasks.engine.compile_choice import compile_pays
-from cpuforge.tasks.engine.hardware import available_cores, choose_precision, measure_matmul_peak, peak_size
+from cpuforge.tasks.engine.hardware import available_cores, measure_matmul_peak, peak_size
+from cpuforge.tasks.engine.step_timing import choose_precision
 
 
 def hf_model(cfg: LlamaConfig):

@@ -26,7 +26,7 @@ from cpuforge.models.llama import Llama
 from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.hardware import available_cores
-from cpuforge.tasks.engine.trainer import evaluate
+from cpuforge.tasks.engine.validation import evaluate
 
 
 def weight_matrices(model: Llama) -> list[tuple[torch.nn.Module, str]]:

@@ -16,14 +16,14 @@ from prefect.runtime import flow_run
 from cpuforge.tasks import stages
 from cpuforge.tasks.config.settings import Config, load_config
 from cpuforge.tasks.engine.sizing import resolve_auto_size
-from cpuforge.tasks.records.errors import ConfigError
 from cpuforge.tasks.infra import confinement, tracking
 from cpuforge.tasks.infra.runner import stage_task
 from cpuforge.tasks.infra.stage import StageContext, StageSpec
 from cpuforge.tasks.infra.store import StageRecord
+from cpuforge.tasks.records.errors import ConfigError
+from cpuforge.tasks.records.summary import RunSummary, new_summary, write_summary
 from cpuforge.tasks.release.lineage import PretrainedSource, lineage_tags, with_source
 from cpuforge.tasks.release.register import register_task
-from cpuforge.tasks.records.summary import RunSummary, new_summary, write_summary
 
 log = logging.getLogger("cpuforge.flow")
 

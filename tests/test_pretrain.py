@@ -354,6 +354,7 @@ def test_mfu_divides_by_the_peak_of_the_chosen_precision(shards, tmp_path, monke
 
 def test_auto_precision_is_a_measured_ab_cached_per_shape(tmp_path, monkeypatch):
     import cpuforge.tasks.engine.hardware as hardware
+    import cpuforge.tasks.engine.step_timing as step_timing
 
     timed = []
 
@@ -362,35 +363,36 @@ def test_auto_precision_is_a_measured_ab_cached_per_shape(tmp_path, monkeypatch)
         timed.append(dtypes)
         return {torch.float32: 1000.0, torch.bfloat16: 1800.0}
 
-    monkeypatch.setattr(hardware, "time_training_steps", fake_steps)
+    monkeypatch.setattr(step_timing, "time_training_steps", fake_steps)
     monkeypatch.setattr(hardware, "has_native_bf16", lambda: True)
-    chosen = hardware.choose_precision("auto", SMALL, 4, 2, tmp_path)
+    chosen = step_timing.choose_precision("auto", SMALL, 4, 2, tmp_path)
     assert chosen["dtype"] == "bfloat16" and chosen["fp32_tok_s"] == 1000.0 and chosen["bf16_tok_s"] == 1800.0
-    assert hardware.choose_precision("auto", SMALL, 4, 2, tmp_path) == chosen and len(timed) == 1  # cached
-    hardware.choose_precision("auto", SMALL, 8, 2, tmp_path)  # another batch is another decision
+    assert step_timing.choose_precision("auto", SMALL, 4, 2, tmp_path) == chosen and len(timed) == 1  # cached
+    step_timing.choose_precision("auto", SMALL, 8, 2, tmp_path)  # another batch is another decision
     assert len(timed) == 2
-    hardware.choose_precision("auto", SMALL, 8, 2, tmp_path, optimizer="muon")  # and another optimizer
+    step_timing.choose_precision("auto", SMALL, 8, 2, tmp_path, optimizer="muon")  # and another optimizer
     assert len(timed) == 3
 
-    monkeypatch.setattr(hardware, "time_training_steps", lambda *a, **k: {torch.float32: 1000.0, torch.bfloat16: 1020.0})
-    assert hardware.choose_precision("auto", SMALL, 16, 2, tmp_path)["dtype"] == "float32"  # a draw is fp32's
+    monkeypatch.setattr(step_timing, "time_training_steps", lambda *a, **k: {torch.float32: 1000.0, torch.bfloat16: 1020.0})
+    assert step_timing.choose_precision("auto", SMALL, 16, 2, tmp_path)["dtype"] == "float32"  # a draw is fp32's
 
     monkeypatch.setattr(hardware, "has_native_bf16", lambda: False)
-    monkeypatch.setattr(hardware, "time_training_steps", fake_steps)
-    emulated = hardware.choose_precision("auto", SMALL, 32, 2, tmp_path)
+    monkeypatch.setattr(step_timing, "time_training_steps", fake_steps)
+    emulated = step_timing.choose_precision("auto", SMALL, 32, 2, tmp_path)
     assert emulated["dtype"] == "float32" and emulated["bf16_tok_s"] is None and timed[-1] == (torch.float32,)
     assert "no native bf16" in emulated["reason"]
 
 
 def test_the_real_ab_times_both_precisions():
-    from cpuforge.tasks.engine.hardware import time_training_steps
+    from cpuforge.tasks.engine.step_timing import time_training_steps
 
     rates = time_training_steps(SMALL, 2, 1, (torch.float32, torch.bfloat16), teacher_cfg=SMALL, rounds=1)
     assert set(rates) == {torch.float32, torch.bfloat16} and all(r > 0 for r in rates.values())
 
 
 def test_the_step_timer_runs_the_optimizer_the_run_uses():
-    from cpuforge.tasks.engine.hardware import newton_schulz_dtype, training_step_timer
+    from cpuforge.tasks.engine.optimizers import newton_schulz_dtype
+    from cpuforge.tasks.engine.step_timing import training_step_timer
     from cpuforge.tasks.engine.muon import MuonAdamW
 
     step = training_step_timer(SMALL, 2, "muon", activation_checkpointing=True)
@@ -406,14 +408,15 @@ def test_the_step_timer_runs_the_optimizer_the_run_uses():
 
 def test_newton_schulz_stays_fp32_where_bf16_is_emulated(monkeypatch):
     from cpuforge.tasks.engine import hardware
+    from cpuforge.tasks.engine.optimizers import newton_schulz_dtype
     from cpuforge.tasks.engine.trainer import make_optimizer
 
     monkeypatch.setattr(hardware, "has_native_bf16", lambda: False)
-    assert hardware.newton_schulz_dtype(torch.bfloat16) == torch.float32
+    assert newton_schulz_dtype(torch.bfloat16) == torch.float32
     bf16_run = settings(load_config("tiny", overrides=["train.optimizer=muon"]).train, torch.bfloat16, 0.0)
     assert make_optimizer(Llama(SMALL), bf16_run).ns_dtype == torch.float32  # a forced bf16 on AVX2
     monkeypatch.setattr(hardware, "has_native_bf16", lambda: True)
-    assert hardware.newton_schulz_dtype(torch.float32) == torch.float32
+    assert newton_schulz_dtype(torch.float32) == torch.float32
     assert make_optimizer(Llama(SMALL), bf16_run).ns_dtype == torch.bfloat16
 
 

@@ -15,7 +15,8 @@ from cpuforge.models.llama import Llama, config_param_count, param_count
 from cpuforge.models.prune import Keep, choose_keep, keep_all, prune
 from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
-from cpuforge.tasks.engine.trainer import evaluate, train
+from cpuforge.tasks.engine.trainer import train
+from cpuforge.tasks.engine.validation import evaluate
 from cpuforge.tasks.records.errors import ConfigError, UserError
 from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.stages.prune import calibration_batches, target_config

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from cpuforge.tasks.engine.hardware import AB_ROUNDS, step_key, training_step_timer
 from cpuforge.tasks.engine.processes import stop_process_group
+from cpuforge.tasks.engine.step_timing import AB_ROUNDS, step_key, training_step_timer
 
 log = logging.getLogger("cpuforge.compile")
 

@@ -1,4 +1,4 @@
-"""The training losses, shared by the trainer and the step timers (hardware.training_step_timer), so
+"""The training losses, shared by the trainer and the step timers (step_timing.training_step_timer), so
 that what is timed is what is trained. A leaf module: torch only."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Why not `torch.optim.Muon` itself: its Newton-Schulz runs in bf16, which on a CP
 native bf16 is ~100x slower than fp32 (a demo-size step would spend seconds in it). This one
 runs the iteration in `ns_dtype`: the dtype the training step runs in where the CPU has native
 bf16 (1.09x a bf16 demo Muon step over fp32 Newton-Schulz on AVX-512/AMX), fp32 everywhere
-else (hardware.newton_schulz_dtype). It uses the same coefficients, momentum and
+else (optimizers.newton_schulz_dtype). It uses the same coefficients, momentum and
 "match_rms_adamw" learning-rate adjustment (0.2 * sqrt(max(rows, cols))): that adjustment
 gives updates of the RMS AdamW's have, so Muon's learning rate and weight decay sit on AdamW's
 scale. One optimizer (not two) keeps checkpoints, resume and DDP code unchanged: its state is

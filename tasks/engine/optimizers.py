@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import torch
 
+from cpuforge.tasks.engine import hardware
 from cpuforge.tasks.engine.muon import MuonAdamW
+
+
+def newton_schulz_dtype(step_dtype: torch.dtype) -> torch.dtype:
+    """Muon's Newton-Schulz runs in the step's precision where the CPU has native bf16 (1.09x a bf16 demo
+    step on AVX-512/AMX); elsewhere in fp32, also under a forced train.precision=bf16 (emulated bf16
+    matmuls are ~100x slower)."""
+    return step_dtype if step_dtype == torch.float32 or hardware.has_native_bf16() else torch.float32
 
 
 def build_optimizer(model: torch.nn.Module, optimizer: str, lr: float, muon_lr: float = 0.0,
@@ -14,7 +22,7 @@ def build_optimizer(model: torch.nn.Module, optimizer: str, lr: float, muon_lr: 
     """Weight decay on matrices only (not norms); one parameter per tied pair. With optimizer=muon the
     blocks' matrices go to Muon and the rest (embedding/LM head, norms) to AdamW. A group's
     ``lr_ratio`` is its peak learning rate over train.lr: the schedule scales every group alike.
-    Muon's Newton-Schulz runs in `ns_dtype` (hardware.newton_schulz_dtype of the step's precision).
+    Muon's Newton-Schulz runs in `ns_dtype` (newton_schulz_dtype of the step's precision).
     AdamW is foreach, not fused: the fused CPU kernel was no faster on a demo step (0.97-1.03x,
     benchmarks/train_levers.py)."""
     named = list({id(p): (n, p) for n, p in model.named_parameters() if p.requires_grad}.values())

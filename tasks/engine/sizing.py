@@ -90,10 +90,10 @@ def candidate_shapes(base: dict[str, Any], fixed: dict[str, Any], vocab_size: in
 def measure_shapes(shapes: list[LlamaConfig], batch: int, threads: int, dtype: torch.dtype = torch.float32,
                    rounds: int = MEASURE_ROUNDS, max_step_s: float | None = None,
                    optimizer: str = "adamw", activation_checkpointing: bool = False) -> list[float | None]:
-    """Training tokens/s (hardware.training_step_timer: the step as the run takes it) of each shape, best
+    """Training tokens/s (step_timing.training_step_timer: the step as the run takes it) of each shape, best
     of `rounds` steps taken round-robin across the shapes. With max_step_s, a shape whose warm-up step took longer
     (and every larger one after it) is not timed, once MIN_MEASURED are: None."""
-    from cpuforge.tasks.engine.hardware import training_step_timer
+    from cpuforge.tasks.engine.step_timing import training_step_timer
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -121,7 +121,8 @@ def throughput(shapes: list[LlamaConfig], batch: int, threads: int, dtype: torch
     """Tokens/s of each shape on this machine: measured (cached) where a step is cheap, else extrapolated
     at the FLOP rate of the largest measured shape (bigger shapes usually run at a higher one, so this
     errs towards a smaller model)."""
-    from cpuforge.tasks.engine.hardware import cpu_model, step_signature
+    from cpuforge.tasks.engine.hardware import cpu_model
+    from cpuforge.tasks.engine.step_timing import step_signature
 
     cache = cache_dir / CACHE_FILE if cache_dir is not None else None
     known = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}

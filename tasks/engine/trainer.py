@@ -13,7 +13,6 @@ so a run restarted from its checkpoint computes the same updates as one never st
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -24,7 +23,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from cpuforge.models.checkpoint import (
     latest_valid_checkpoint,
@@ -35,11 +33,12 @@ from cpuforge.models.checkpoint import (
 from cpuforge.models.llama import Llama, flops_per_token
 from cpuforge.tasks.engine import sharding
 from cpuforge.tasks.engine.allocator import keep_freed_memory, release_free_memory
-from cpuforge.tasks.engine.data import BatchSampler, bits_per_byte
-from cpuforge.tasks.engine.hardware import newton_schulz_dtype, peak_rss_mb, reset_peak_rss
+from cpuforge.tasks.engine.data import BatchSampler
+from cpuforge.tasks.engine.hardware import peak_rss_mb, reset_peak_rss
 from cpuforge.tasks.engine.losses import lm_loss
-from cpuforge.tasks.engine.optimizers import build_optimizer
+from cpuforge.tasks.engine.optimizers import build_optimizer, newton_schulz_dtype
 from cpuforge.tasks.engine.stop_signals import StopSignals
+from cpuforge.tasks.engine.validation import autocast, evaluate
 
 log = logging.getLogger("cpuforge.trainer")
 
@@ -111,31 +110,6 @@ def lr_at(step: int, s: TrainSettings, horizon: int) -> float:
 
 def make_optimizer(model: torch.nn.Module, s: TrainSettings) -> torch.optim.Optimizer:
     return build_optimizer(model, s.optimizer, s.lr, s.muon_lr, s.weight_decay, s.betas, newton_schulz_dtype(s.dtype))
-
-
-@torch.no_grad()
-def evaluate(model: Llama, batches: list[tuple[torch.Tensor, torch.Tensor]], byte_lengths: np.ndarray,
-             dtype: torch.dtype = torch.float32) -> tuple[float, float]:
-    """(mean loss per token, bits per byte) over fixed validation batches."""
-    was_training = model.training
-    model.eval()
-    nll, tokens, n_bytes = 0.0, 0, 0
-    lengths = torch.from_numpy(byte_lengths)
-    for x, y in batches:
-        # Eager under train.compile too: evaluation is ~5% of a run's steps, not worth a second graph's compile.
-        with _autocast(dtype), torch.compiler.set_stance("force_eager"):
-            logits, _ = model(x)
-        nll += F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1), reduction="sum").item()
-        tokens += y.numel()
-        n_bytes += int(lengths[y].sum())
-    model.train(was_training)
-    return nll / tokens, bits_per_byte(nll, n_bytes)
-
-
-def _autocast(dtype: torch.dtype):
-    if dtype == torch.bfloat16:
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def _broadcast_int(value: int | None) -> int | None:
@@ -291,7 +265,7 @@ class _Training:
         for micro in range(s.grad_accum):
             x, y = self.sampler.batch(self.step_count, micro)
             sync = self.world == 1 or micro == s.grad_accum - 1
-            with sharding.gradient_sync(self.net, sync), _autocast(s.dtype):
+            with sharding.gradient_sync(self.net, sync), autocast(s.dtype):
                 out = self.loss_fn(self.net, x, y)
                 loss, named = out if isinstance(out, tuple) else (out, {})
                 loss = loss / s.grad_accum

@@ -32,11 +32,12 @@ from cpuforge.tasks.config.settings import RecoverConfig, TrainConfig
 from cpuforge.tasks.engine import sharding
 from cpuforge.tasks.engine.compile_choice import budget_seconds, choose_compile, use_inductor_cache
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
-from cpuforge.tasks.engine.hardware import available_cores, choose_precision, matmul_peak
+from cpuforge.tasks.engine.hardware import available_cores, matmul_peak
 from cpuforge.tasks.engine.losses import distillation_loss, lm_loss
 from cpuforge.tasks.engine.processes import stop_process_group
 from cpuforge.tasks.engine.progress import ProgressFile, budget_bar
 from cpuforge.tasks.engine.rendezvous import torchrun_command
+from cpuforge.tasks.engine.step_timing import choose_precision
 from cpuforge.tasks.engine.trainer import TrainSettings, train
 from cpuforge.tasks.infra import live, tracking
 from cpuforge.tasks.infra.locks import training_slot

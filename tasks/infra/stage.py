@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cpuforge.tasks.config.settings import Config
-from cpuforge.tasks.records.errors import UserError
 from cpuforge.tasks.infra import live, tracking
 from cpuforge.tasks.infra.codehash import code_hash, module_hashes
 from cpuforge.tasks.infra.store import StageRecord, StageStore, stage_key
+from cpuforge.tasks.records.errors import UserError
 
 log = logging.getLogger("cpuforge.stage")
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from cpuforge.tasks.config.settings import Config
-from cpuforge.tasks.records.errors import ModelError
 from cpuforge.tasks.infra.locks import hold
+from cpuforge.tasks.records.errors import ModelError
 
 log = logging.getLogger("cpuforge.tracking")
 

@@ -27,9 +27,9 @@ from cpuforge.models.checkpoint import CheckpointError, read_config
 from cpuforge.models.fileio import sha256_file
 from cpuforge.tasks.config.settings import Config, ModelConfig
 from cpuforge.tasks.data.corpus import source_fingerprint
-from cpuforge.tasks.records.errors import ConfigError, ModelError
 from cpuforge.tasks.infra import confinement, model_registry, tracking
 from cpuforge.tasks.infra.stage import NOT_IN_KEY, SERVICE_RETRIES
+from cpuforge.tasks.records.errors import ConfigError, ModelError
 
 log = logging.getLogger("cpuforge.lineage")
 

@@ -30,7 +30,6 @@ from cpuforge.models.runtime import LanguageModel, ModelLoadError, load_language
 from cpuforge.tasks import stages
 from cpuforge.tasks.engine.data import open_shards
 from cpuforge.tasks.engine.scoring import Score, score_text
-from cpuforge.tasks.records.errors import DataError, ModelError
 from cpuforge.tasks.infra import model_registry, tracking
 from cpuforge.tasks.infra.model_registry import (
     TAG_DECISION,
@@ -43,6 +42,7 @@ from cpuforge.tasks.infra.model_registry import (
 )
 from cpuforge.tasks.infra.stage import SERVICE_RETRIES, StageContext
 from cpuforge.tasks.infra.store import StageRecord
+from cpuforge.tasks.records.errors import DataError, ModelError
 
 log = logging.getLogger("cpuforge.registry")
 

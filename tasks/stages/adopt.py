@@ -20,10 +20,10 @@ from cpuforge.models.llama import Llama, config_param_count
 from cpuforge.tasks import stages
 from cpuforge.tasks.config.settings import ModelConfig, TrainConfig
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, unigram_bpb, val_batches
-from cpuforge.tasks.engine.trainer import evaluate
-from cpuforge.tasks.records.errors import ModelError
+from cpuforge.tasks.engine.validation import evaluate
 from cpuforge.tasks.infra.stage import StageOutput, StageRun, key_config
 from cpuforge.tasks.infra.store import StageRecord
+from cpuforge.tasks.records.errors import ModelError
 from cpuforge.tasks.release.lineage import PretrainedSource
 from cpuforge.tasks.release.model_card import made_by, write_model_card
 

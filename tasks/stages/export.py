@@ -30,9 +30,9 @@ from cpuforge.models.runtime import TorchDecoder, generate, load_language_model
 from cpuforge.tasks import stages
 from cpuforge.tasks.config.settings import ExportConfig
 from cpuforge.tasks.engine.data import open_shards, val_batches
-from cpuforge.tasks.records.errors import ModelError
 from cpuforge.tasks.infra.stage import StageOutput, StageRun
 from cpuforge.tasks.infra.store import StageRecord
+from cpuforge.tasks.records.errors import ModelError
 
 log = logging.getLogger("cpuforge.export")
 

@@ -19,9 +19,9 @@ from cpuforge.models.checkpoint import load_model
 from cpuforge.models.gguf_export import GGUFExportError, gguf_tensors, read_gguf_tensors, write_gguf
 from cpuforge.tasks import stages
 from cpuforge.tasks.engine.data import open_shards
-from cpuforge.tasks.records.errors import ModelError, UserError
 from cpuforge.tasks.infra.stage import StageOutput, StageRun
 from cpuforge.tasks.infra.store import StageRecord
+from cpuforge.tasks.records.errors import ModelError, UserError
 
 log = logging.getLogger("cpuforge.gguf")
 

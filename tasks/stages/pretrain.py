@@ -29,9 +29,9 @@ from cpuforge.tasks.engine.training_run import (
     training_spec,
     world_size,
 )
-from cpuforge.tasks.records.errors import UserError
 from cpuforge.tasks.infra import tracking
 from cpuforge.tasks.infra.stage import StageOutput, StageRun, key_config
+from cpuforge.tasks.records.errors import UserError
 from cpuforge.tasks.release.model_card import made_by, write_model_card
 from cpuforge.tasks.release.reports import training_reports
 

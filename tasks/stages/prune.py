@@ -29,10 +29,10 @@ from cpuforge.models.prune import check_target, choose_keep, prune
 from cpuforge.tasks import stages
 from cpuforge.tasks.config.settings import PruneConfig
 from cpuforge.tasks.engine.data import BatchSampler, open_shards, token_byte_lengths, val_batches
-from cpuforge.tasks.engine.trainer import evaluate
-from cpuforge.tasks.records.errors import ConfigError
+from cpuforge.tasks.engine.validation import evaluate
 from cpuforge.tasks.infra.stage import StageOutput, StageRun, key_config
 from cpuforge.tasks.infra.store import StageRecord
+from cpuforge.tasks.records.errors import ConfigError
 from cpuforge.tasks.release.model_card import made_by, write_model_card
 
 log = logging.getLogger("cpuforge.prune")

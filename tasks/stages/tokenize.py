@@ -20,11 +20,11 @@ from cpuforge.tasks import stages
 from cpuforge.tasks.config.settings import DataConfig, TokenizerConfig
 from cpuforge.tasks.data.corpus import Corpus, load_corpus
 from cpuforge.tasks.data.encoding import encode_to_shard, shard_dtype
+from cpuforge.tasks.data.parallel_encode import choose_runner, encode_split_in_parallel
 from cpuforge.tasks.engine.progress import progress_bar
-from cpuforge.tasks.records.errors import DataError
 from cpuforge.tasks.infra import live
 from cpuforge.tasks.infra.stage import StageOutput, StageRun
-from cpuforge.tasks.data.parallel_encode import choose_runner, encode_split_in_parallel
+from cpuforge.tasks.records.errors import DataError
 
 log = logging.getLogger("cpuforge.tokenize")
 
