@@ -65,8 +65,11 @@ def _closest_record(store: StageStore, stage: str, parts: dict[str, Any]) -> Sta
 
 
 def _source_path(module: str) -> str:
-    """cpuforge.tasks.engine.trainer -> tasks/engine/trainer.py (records made before the cpuforge namespace say tasks.trainer)."""
-    return module.removeprefix("cpuforge.").replace(".", "/") + ".py"
+    """cpuforge.tasks.engine.trainer -> tasks/engine/trainer.py (records made before the cpuforge namespace say
+    tasks.trainer); a config declaration, cpuforge.tasks.config.settings:train -> tasks/config/settings.py (train)."""
+    module, _, name = module.partition(":")
+    path = module.removeprefix("cpuforge.").replace(".", "/") + ".py"
+    return f"{path} ({name})" if name else path
 
 
 def why_build(store: StageStore, spec: StageSpec, parts: dict[str, Any], changed_inputs: list[str]) -> list[str]:

@@ -101,6 +101,8 @@ class TokenizerConfig(Section):
 # The fields `model.size: auto` chooses (tasks/engine/sizing.py); the others take LlamaConfig's defaults.
 AUTO_FIELDS = ("n_layer", "n_head", "n_kv_head", "d_model", "d_mlp")
 AUTO = "auto"
+AUTO_FIELD_HELP = (" With model.size=auto: chosen for the training budget when the run starts, unless set here "
+                   "(a value set here is kept; auto fills only the fields left empty).")
 
 
 class _ModelSection(Section):
@@ -128,10 +130,9 @@ def _model_section() -> type[_ModelSection]:
     any of LlamaConfig's fields set otherwise. Empty fields take the size's values once validated, so
     `cfg.model.block_size` is always the resolved shape; LlamaConfig's own checks validate it. With
     size=auto the AUTO_FIELDS left empty stay empty until the run chooses them for its budget."""
-    chosen = " With model.size=auto: chosen for the training budget when the run starts, unless set here " \
-             "(a value set here is kept; auto fills only the fields left empty)."
     overridable = {
-        f.name: (f.type_hint | None, Field(None, description=f.metadata["doc"] + (chosen if f.name in AUTO_FIELDS else "")))
+        f.name: (f.type_hint | None,
+                 Field(None, description=f.metadata["doc"] + (AUTO_FIELD_HELP if f.name in AUTO_FIELDS else "")))
         for f in llama_fields() if f.name != "vocab_size"
     }
     size_names = (AUTO, *SIZES)

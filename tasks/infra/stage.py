@@ -147,12 +147,12 @@ def stage_params(cfg: Config, spec: StageSpec) -> dict[str, Any]:
 def key_parts(spec: StageSpec, cfg: Config, input_keys: dict[str, str], extra_key: Any = None) -> dict[str, Any]:
     """Everything a stage's key is computed from."""
     return {"version": spec.version, "config": stage_config(cfg, spec), "inputs": input_keys, "extra": extra_key,
-            "code": module_hashes(spec.module) if spec.module else {}}
+            "code": module_hashes(spec.module, spec.sections) if spec.module else {}}
 
 
 def key_of(spec: StageSpec, parts: dict[str, Any]) -> str:
     return stage_key(spec.name, parts["version"], parts["config"], parts["inputs"], parts["extra"],
-                     code_hash(spec.module) if spec.module else "")
+                     code_hash(spec.module, spec.sections) if spec.module else "")
 
 
 def run_stage(
