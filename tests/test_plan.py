@@ -146,3 +146,36 @@ def test_the_docs_list_the_stages_of_the_registry():
     page = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
     listed = page.split("<!-- stages:begin -->\n")[1].split("<!-- stages:end -->")[0]
     assert listed == stages.markdown_table(), "regenerate with: python docs/diagram.py"
+
+
+def _diagram():
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "docs" / "diagram.py"
+    spec = importlib.util.spec_from_file_location("cpuforge_docs_diagram", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_pipeline_picture_is_drawn_from_the_registry():
+    """README's picture (docs/images/pipeline.svg) carries the digest of the registry it was drawn from, and is
+    exactly what docs/diagram.py draws now: a stage, input or output added without redrawing fails here."""
+    diagram = _diagram()
+    picture = diagram.OUT.read_text()
+    assert f"from the stage registry {diagram.registry_digest()} " in picture, \
+        "the picture is older than the registry; redraw with: python docs/diagram.py"
+    assert picture == diagram.draw(), "the picture is not what docs/diagram.py draws; redraw with: python docs/diagram.py"
+    page = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
+    assert diagram.architecture_page(page) == page, "regenerate with: python docs/diagram.py"
+
+
+def test_a_new_stage_makes_the_picture_stale(monkeypatch):
+    import dataclasses
+
+    diagram = _diagram()
+    before, drawn = diagram.registry_digest(), diagram.draw()
+    extra = dataclasses.replace(stages.GGUF, name="gguf2", needs=("tokenize", "gguf"))
+    monkeypatch.setattr(stages, "PIPELINE", (*stages.PIPELINE, extra))
+    monkeypatch.setattr(stages, "BY_NAME", {**stages.BY_NAME, "gguf2": extra})
+    assert diagram.registry_digest() != before and diagram.draw() != drawn and ">gguf2</text>" in diagram.draw()
