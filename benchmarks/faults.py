@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.faults.harness import (  # noqa: E402
     STAGES,
+    TRAINING,
     building,
     finished,
     kill_all,
@@ -81,7 +82,7 @@ class Reference:
             raise SystemExit(f"the uninterrupted reference run failed:\n{run.output()[-3000:]}")
         summary = latest_summary(root / "reference")
         self.keys = stage_keys(summary)
-        self.weights = {s: weights_digest(summary, s) for s in ("pretrain", "recover")}
+        self.weights = {s: weights_digest(summary, s) for s in TRAINING}
 
     def same(self, workdir: Path) -> tuple[bool, str]:
         summary = latest_summary(workdir)

@@ -36,8 +36,9 @@ def compress(
     summary_path: str = "",
     rebuild: str = "",
 ) -> dict[str, Any]:
-    """Compress an existing pretrained model: prune -> recover -> export -> quantize -> evaluate, then register it
-    through the champion gate. The model's own shape and tokenizer are used; model.* settings are ignored.
+    """Compress an existing pretrained model: the registry's COMPRESS stages (adopt in pretrain's place;
+    tasks/stages/__init__.py), then register it through the champion gate. The model's own shape and tokenizer
+    are used; model.* settings are ignored.
 
     Args:
         pretrained: the model to compress: 'champion' (the pretrained weights behind the registered champion),

@@ -36,8 +36,9 @@ def pipeline(
     summary_path: str = "",
     rebuild: str = "",
 ) -> dict[str, Any]:
-    """Raw text to a small, fast, registered model: tokenize -> pretrain -> prune -> recover -> export -> quantize
-    -> evaluate, then the final model is registered in MLflow and promoted to champion if it beats the current one.
+    """Raw text to a small, fast, registered model: the registry's stages in order (tasks/stages/__init__.py
+    PIPELINE; `cpuforge plan` lists them), then the final model is registered in MLflow and promoted to champion if
+    it beats the current one.
 
     Args:
         profile: named profile: tiny (about a minute), demo (10-15 minutes), full (hours).

@@ -24,6 +24,7 @@ from cpuforge.models.runtime import (
     left_pad,
     load_language_model,
 )
+from cpuforge.tasks import stages
 from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths
 from cpuforge.tasks.engine.scoring import Score, alternating_speeds, score_text, score_tokens
@@ -133,11 +134,11 @@ def _genai_greedy(og, model, prompts: list[list[int]], max_new_tokens: int, eos:
     return out, steps
 
 
-@pytest.mark.parametrize("stage", ["export", "quantize"])
+@pytest.mark.parametrize("stage", [spec.name for spec in stages.PIPELINE if "onnx" in spec.provides])
 def test_onnx_runtime_genai_generates_cpuforge_greedy_tokens(stage, exported, quantized):
     import onnxruntime_genai as og
 
-    folder = Path((exported if stage == "export" else quantized)[0].output_dir)
+    folder = Path({"export": exported, "quantize": quantized}[stage][0].output_dir)  # each ONNX stage's fixture
     lm = load_language_model(folder)
     model = og.Model(str(folder))
     tokenizer = og.Tokenizer(model)

@@ -92,17 +92,12 @@ def test_every_setting_rekeys_the_stages_that_declare_it_and_those_after_them(tm
 
 
 def test_the_stage_modules_take_their_declarations_from_the_registry():
-    from cpuforge.tasks.stages import adopt
-    from cpuforge.tasks.stages import evaluate
-    from cpuforge.tasks.stages import export
-    from cpuforge.tasks.stages import gguf
-    from cpuforge.tasks.stages import pretrain
-    from cpuforge.tasks.stages import prune
-    from cpuforge.tasks.stages import quantize
-    from cpuforge.tasks.stages import recover
-    from cpuforge.tasks.stages import tokenize
+    import importlib
 
-    modules = (tokenize, pretrain, adopt, prune, recover, export, quantize, evaluate, gguf)
+    # every module in the stages folder (test_layout: nothing else stands there) declares one registered stage
+    folder = Path(stages.__file__).parent
+    modules = [importlib.import_module(f"{stages.__name__}.{path.stem}") for path in sorted(folder.glob("*.py"))
+               if path.stem != "__init__"]
     assert {m.SPEC.name: m.SPEC for m in modules} == stages.BY_NAME
     assert all(m.__name__ == m.SPEC.module for m in modules)
     for spec in stages.PIPELINE:  # every input comes from a stage before it
@@ -127,7 +122,7 @@ def test_evaluate_measures_every_variant_the_registry_declares():
     records = {name: StageRecord(stage=name, key=name, output_dir=f"/out/{name}", files={"model": "m", "onnx": "x.onnx"})
                for name in stages.EVALUATE.needs}
     paths = variant_paths(records)
-    assert list(paths) == ["pretrained", "pruned", "recovered", "onnx-fp32", "onnx-int8"]
+    assert list(paths) == [spec.evaluates[0] for spec in stages.PIPELINE if spec.evaluates]
     assert str(paths["onnx-int8"]) == "/out/quantize/x.onnx" and stages.FINAL_VARIANT == "onnx-int8"
 
 
@@ -151,3 +146,36 @@ def test_the_docs_list_the_stages_of_the_registry():
     page = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
     listed = page.split("<!-- stages:begin -->\n")[1].split("<!-- stages:end -->")[0]
     assert listed == stages.markdown_table(), "regenerate with: python docs/diagram.py"
+
+
+def _diagram():
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "docs" / "diagram.py"
+    spec = importlib.util.spec_from_file_location("cpuforge_docs_diagram", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_pipeline_picture_is_drawn_from_the_registry():
+    """README's picture (docs/images/pipeline.svg) carries the digest of the registry it was drawn from, and is
+    exactly what docs/diagram.py draws now: a stage, input or output added without redrawing fails here."""
+    diagram = _diagram()
+    picture = diagram.OUT.read_text()
+    assert f"from the stage registry {diagram.registry_digest()} " in picture, \
+        "the picture is older than the registry; redraw with: python docs/diagram.py"
+    assert picture == diagram.draw(), "the picture is not what docs/diagram.py draws; redraw with: python docs/diagram.py"
+    page = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
+    assert diagram.architecture_page(page) == page, "regenerate with: python docs/diagram.py"
+
+
+def test_a_new_stage_makes_the_picture_stale(monkeypatch):
+    import dataclasses
+
+    diagram = _diagram()
+    before, drawn = diagram.registry_digest(), diagram.draw()
+    extra = dataclasses.replace(stages.GGUF, name="gguf2", needs=("tokenize", "gguf"))
+    monkeypatch.setattr(stages, "PIPELINE", (*stages.PIPELINE, extra))
+    monkeypatch.setattr(stages, "BY_NAME", {**stages.BY_NAME, "gguf2": extra})
+    assert diagram.registry_digest() != before and diagram.draw() != drawn and ">gguf2</text>" in diagram.draw()

@@ -24,10 +24,12 @@ from pathlib import Path
 
 import pytest
 
+from cpuforge.tasks import stages
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("tokenize", "pretrain", "prune", "recover", "export", "quantize", "evaluate", "gguf")
+STAGES = tuple(stages.names())
 
 
 def free_port() -> int:

@@ -86,17 +86,11 @@ def test_an_interrupted_attempt_is_cleared_unless_the_stage_resumes(tmp_path: Pa
 
 def test_a_setting_changes_the_config_of_only_the_stages_that_read_it():
     """Which stages a changed setting re-runs (later stages follow through their inputs' keys)."""
-    from cpuforge.tasks.stages import evaluate
-    from cpuforge.tasks.stages import export
-    from cpuforge.tasks.stages import pretrain
-    from cpuforge.tasks.stages import prune
-    from cpuforge.tasks.stages import quantize
-    from cpuforge.tasks.stages import recover
-    from cpuforge.tasks.stages import tokenize
+    from cpuforge.tasks import stages
     from cpuforge.tasks.config.settings import load_config
     from cpuforge.tasks.infra.stage import stage_config
 
-    specs = {m.SPEC.name: m.SPEC for m in (tokenize, pretrain, prune, recover, export, quantize, evaluate)}
+    specs = {spec.name: spec for spec in stages.PIPELINE}
     base = load_config("tiny")
 
     def changed(*overrides: str) -> set[str]:

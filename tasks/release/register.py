@@ -77,8 +77,6 @@ def register(ctx: StageContext, tokenized: StageRecord, quantized: StageRecord, 
 
     ``lineage``: version tags saying where its pretrained weights and data came from (tasks/release/lineage.py).
     """
-    from cpuforge.tasks.infra import text_model  # imports MLflow: not before a run needs it
-
     name = ctx.cfg.tracking.registered_model
     onnx_path = quantized.path("onnx")
     lm = load_language_model(onnx_path)
@@ -86,38 +84,10 @@ def register(ctx: StageContext, tokenized: StageRecord, quantized: StageRecord, 
     candidate_score = score_text(lm, text)
 
     with tracking.child_run("register", ctx.parent_run_id, {tracking.TAG_STAGE: "register"}) as run_id:
-        existing = model_registry.versions_tagged(name, TAG_SOURCE_KEY, quantized.key)
-        if existing:
-            version = existing[0]
-            log.info("%s version %s already holds this model; reusing it", name, version)
-        else:
-            version = text_model.log_text_model(
-                onnx_path, tokenized.path("tokenizer"), name,
-                metadata={"val_bpb": candidate_score.val_bpb, "params": lm.params, "file_bytes": lm.file_bytes})
-            model_registry.tag_version(name, version, {
-                TAG_SOURCE_KEY: quantized.key, TAG_VAL_BPB: f"{evaluated.metrics['final_val_bpb']:.5f}",
-                TAG_PARAMS: str(lm.params), TAG_FILE_BYTES: str(lm.file_bytes),
-                **({TAG_DECODE: f"{evaluated.metrics[DECODE_METRIC]:.1f}"} if DECODE_METRIC in evaluated.metrics else {})})
-            model_registry.describe_version(name, version, model_card_summary(ctx, tokenized, evaluated, lm))
-        model_registry.tag_version(name, version, lineage or {})
-        model_registry.move_alias(name, CANDIDATE, version, f"the model of the latest pipeline run (MLflow run "
-                                  f"{ctx.parent_run_id or run_id})", run_id)
-
-        champion_version = model_registry.alias_version(name, CHAMPION)
-        champion_score, champion_error = None, None
-        if champion_version == version:
-            promote, reason = False, "this model is already the champion"
-        else:
-            if champion_version is not None:
-                try:
-                    with tempfile.TemporaryDirectory(prefix="cpuforge-champion-") as tmp:
-                        folder = text_model.download(f"models:/{name}/{champion_version}", Path(tmp))
-                        champion_score = score_text(load_language_model(folder), text)
-                except (ModelLoadError, ModelError, DataError, ValueError) as exc:
-                    champion_error = str(exc)
-            promote, reason = decide(candidate_score, champion_score, champion_version, champion_error)
-            if promote:
-                model_registry.move_alias(name, CHAMPION, version, reason, run_id)
+        version = registered_version(ctx, name, onnx_path, tokenized, quantized, evaluated, lm, candidate_score,
+                                     lineage, run_id)
+        promote, reason, champion_version, champion_score = champion_gate(name, version, text, candidate_score,
+                                                                          run_id)
         decision = "promoted" if promote else "kept champion"
         model_registry.tag_version(name, version, {TAG_DECISION: decision, TAG_REASON: reason})
         metrics = {"candidate_val_bpb": candidate_score.val_bpb, "gate_bytes": candidate_score.bytes,
@@ -137,6 +107,55 @@ def register(ctx: StageContext, tokenized: StageRecord, quantized: StageRecord, 
         "champion_val_bpb": champion_score.val_bpb if champion_score else None, "mlflow_run_id": run_id,
         "serve": f"mlflow models serve -m models:/{name}@{CHAMPION} --env-manager local",
     }
+
+
+def registered_version(ctx: StageContext, name: str, onnx_path: Path, tokenized: StageRecord, quantized: StageRecord,
+                       evaluated: StageRecord, lm: LanguageModel, candidate_score: Score,
+                       lineage: dict[str, str] | None, run_id: str) -> str:
+    """The version that holds this model (logged, tagged and described when new), with its lineage tags and
+    the candidate alias."""
+    from cpuforge.tasks.infra import text_model  # imports MLflow: not before a run needs it
+
+    existing = model_registry.versions_tagged(name, TAG_SOURCE_KEY, quantized.key)
+    if existing:
+        version = existing[0]
+        log.info("%s version %s already holds this model; reusing it", name, version)
+    else:
+        version = text_model.log_text_model(
+            onnx_path, tokenized.path("tokenizer"), name,
+            metadata={"val_bpb": candidate_score.val_bpb, "params": lm.params, "file_bytes": lm.file_bytes})
+        model_registry.tag_version(name, version, {
+            TAG_SOURCE_KEY: quantized.key, TAG_VAL_BPB: f"{evaluated.metrics['final_val_bpb']:.5f}",
+            TAG_PARAMS: str(lm.params), TAG_FILE_BYTES: str(lm.file_bytes),
+            **({TAG_DECODE: f"{evaluated.metrics[DECODE_METRIC]:.1f}"} if DECODE_METRIC in evaluated.metrics else {})})
+        model_registry.describe_version(name, version, model_card_summary(ctx, tokenized, evaluated, lm))
+    model_registry.tag_version(name, version, lineage or {})
+    model_registry.move_alias(name, CANDIDATE, version, f"the model of the latest pipeline run (MLflow run "
+                              f"{ctx.parent_run_id or run_id})", run_id)
+    return version
+
+
+def champion_gate(name: str, version: str, text: str, candidate_score: Score,
+                  run_id: str) -> tuple[bool, str, str | None, Score | None]:
+    """Score the current champion on the same text and move the champion alias when the candidate beats it:
+    (promoted, why, the champion's version before, its score)."""
+    from cpuforge.tasks.infra import text_model  # imports MLflow: not before a run needs it
+
+    champion_version = model_registry.alias_version(name, CHAMPION)
+    champion_score, champion_error = None, None
+    if champion_version == version:
+        return False, "this model is already the champion", champion_version, champion_score
+    if champion_version is not None:
+        try:
+            with tempfile.TemporaryDirectory(prefix="cpuforge-champion-") as tmp:
+                folder = text_model.download(f"models:/{name}/{champion_version}", Path(tmp))
+                champion_score = score_text(load_language_model(folder), text)
+        except (ModelLoadError, ModelError, DataError, ValueError) as exc:
+            champion_error = str(exc)
+    promote, reason = decide(candidate_score, champion_score, champion_version, champion_error)
+    if promote:
+        model_registry.move_alias(name, CHAMPION, version, reason, run_id)
+    return promote, reason, champion_version, champion_score
 
 
 def model_card_summary(ctx: StageContext, tokenized: StageRecord, evaluated: StageRecord, lm: LanguageModel) -> str:

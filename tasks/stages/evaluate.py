@@ -76,6 +76,33 @@ def evaluate(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Path], out_
     """Every variant measured alike; ``report(fraction, headline)`` follows it variant by variant
     (the speed rounds over all of them count as one more)."""
     started = time.perf_counter()
+    variants = measure_variants(e, tokenized, paths, report)
+    metrics = evaluate_metrics(variants, e.batch_sizes)
+
+    atomic_write_json(out_dir / "variants.json", variants)
+    atomic_write_text(out_dir / "report.md", report_markdown(variants, metrics, e.batch_sizes))
+    atomic_write_text(out_dir / "samples.txt", samples_text(variants))
+    plot_variants(variants, out_dir / "quality_vs_size_speed.png", e.batch_sizes[0])
+    tracking.log_table(run_id, table_rows(variants), "variants_table.json")
+    metrics["seconds"] = round(time.perf_counter() - started, 2)
+    log.info("final model (%s): %.1fx smaller than the pretrained fp32 model, %.2fx its prefill speed (batch %s), "
+             "bits per byte %.4f vs %.4f (%+.1f%%)", FINAL, metrics["size_ratio"],
+             metrics[f"prefill_speedup_b{e.batch_sizes[0]}"], e.batch_sizes[0], metrics["final_val_bpb"],
+             metrics["baseline_val_bpb"], metrics["bpb_increase_pct"])
+    return StageOutput(
+        metrics=metrics,
+        files={"variants": "variants.json", "report": "report.md", "samples": "samples.txt",
+               "plot": "quality_vs_size_speed.png"},
+        artifacts=["variants.json", "report.md", "samples.txt", "quality_vs_size_speed.png"],
+        summary={"variants": [{k: v[k] for k in SUMMARY_KEYS} for v in variants]},
+        info={"final_model": str(paths[FINAL])},
+    )
+
+
+def measure_variants(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Path],
+                     report: live.Report) -> list[dict[str, Any]]:
+    """Each variant's quality, size and samples in a fresh process of its own, then the speeds of all of
+    them in one process, timed in alternation."""
     variants: list[dict[str, Any]] = []
     steps = len(paths) + 1
     for i, (name, path) in enumerate(paths.items()):
@@ -95,11 +122,16 @@ def evaluate(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Path], out_
         log.info("%-10s %9s params %8.2f MB  bpb %.4f  prefill %8.0f tok/s  decode %6.0f tok/s  rss %5.0f MB",
                  v["variant"], f"{v['params']:,}", v["file_bytes"] / 1e6, v["val_bpb"], v["prefill_tok_s"],
                  v["decode_tok_s"], v["peak_rss_mb"])
+    return variants
 
+
+def evaluate_metrics(variants: list[dict[str, Any]], batch_sizes: list[int]) -> dict[str, float | int]:
+    """The final variant against the baseline first (the run table shows the first few), then every
+    variant's figures by name; "seconds" is filled in when the stage ends."""
     by_name = {v["variant"]: v for v in variants}
     base, final = by_name[BASELINE], by_name[FINAL]
     speedups = {f"prefill_speedup_b{b}": round(final["prefill_tok_s_by_batch"][str(b)]
-                                               / base["prefill_tok_s_by_batch"][str(b)], 3) for b in e.batch_sizes}
+                                               / base["prefill_tok_s_by_batch"][str(b)], 3) for b in batch_sizes}
     metrics: dict[str, float | int] = {  # headline figures first: the run table shows the first few
         "final_val_bpb": final["val_bpb"], "baseline_val_bpb": base["val_bpb"],
         "bpb_increase_pct": round(100 * (final["val_bpb"] / base["val_bpb"] - 1), 3),
@@ -113,26 +145,7 @@ def evaluate(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Path], out_
             metrics[f"{v['variant']}/{key}"] = v[key]
         for b, speed in v["prefill_tok_s_by_batch"].items():
             metrics[f"{v['variant']}/prefill_tok_s_b{b}"] = speed
-
-    atomic_write_json(out_dir / "variants.json", variants)
-    report = report_markdown(variants, metrics, e.batch_sizes)
-    atomic_write_text(out_dir / "report.md", report)
-    atomic_write_text(out_dir / "samples.txt", samples_text(variants))
-    plot_variants(variants, out_dir / "quality_vs_size_speed.png", e.batch_sizes[0])
-    tracking.log_table(run_id, table_rows(variants), "variants_table.json")
-    metrics["seconds"] = round(time.perf_counter() - started, 2)
-    log.info("final model (%s): %.1fx smaller than the pretrained fp32 model, %.2fx its prefill speed (batch %s), "
-             "bits per byte %.4f vs %.4f (%+.1f%%)", FINAL, metrics["size_ratio"],
-             metrics[f"prefill_speedup_b{e.batch_sizes[0]}"], e.batch_sizes[0], final["val_bpb"], base["val_bpb"],
-             metrics["bpb_increase_pct"])
-    return StageOutput(
-        metrics=metrics,
-        files={"variants": "variants.json", "report": "report.md", "samples": "samples.txt",
-               "plot": "quality_vs_size_speed.png"},
-        artifacts=["variants.json", "report.md", "samples.txt", "quality_vs_size_speed.png"],
-        summary={"variants": [{k: v[k] for k in SUMMARY_KEYS} for v in variants]},
-        info={"final_model": str(paths[FINAL])},
-    )
+    return metrics
 
 
 def table_rows(variants: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -49,7 +49,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
@@ -261,32 +261,59 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
                    report: live.Report = live.nothing, hf_folder: Path | None = None) -> StageOutput:
     """Quantize the fp32 ONNX model each candidate way, score and time them, keep one by the rule.
     ``report(fraction, headline)`` follows it: the candidates are the first half, the timing rounds the rest."""
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
     started = time.perf_counter()
     fp32_path = exported.path("onnx")
     fp32 = load_language_model(fp32_path)
     shards = open_shards(Path(tokenized.output_dir), fp32.cfg.block_size)
-    val_tokens = np.asarray(shards.val[: q.score_tokens + 1])
-    byte_lengths = token_byte_lengths(shards.tokenizer_path)
+    scoring = (np.asarray(shards.val[: q.score_tokens + 1]), token_byte_lengths(shards.tokenizer_path))
+    prepared = prepare_graph(fp32_path, out_dir / "prepared.onnx")
 
-    prepared = out_dir / "prepared.onnx"
+    methods = candidate_methods(q)
+    if hf_folder is None:  # the builder needs the transformers folder the graph came from
+        methods = [m for m in methods if m not in GENAI]
+    lms, results, skipped = build_candidates(q, methods, fp32, prepared, out_dir / "candidates", shards, scoring,
+                                             hf_folder, report)
+    decision, rounds = time_candidates(q, lms, results, report)
+
+    kept = decision.kept
+    shutil.copyfile(out_dir / "candidates" / f"{kept}.onnx", out_dir / "model.int8.onnx")
+    layout = copy_layout(Path(exported.output_dir), out_dir, "model.int8.onnx")
+    if kept in GENAI:  # the builder's graph: its inputs and its shared KV buffer, in the folder's genai_config
+        use_decoder_of(out_dir, out_dir / "candidates" / f"{kept}.genai_config.json")
+    metrics = quantize_metrics(results, decision, rounds, started)
+    summary = write_reports(out_dir, decision, rounds, results, skipped, metrics)
+    return StageOutput(metrics=metrics, files={"onnx": "model.int8.onnx", "genai_config": GENAI_CONFIG,
+                                               "candidates": "candidates", "report": "quantize_report.md"},
+                       artifacts=["model.int8.onnx", *layout, "candidates.json", "quantize_report.md"],
+                       info={"kept": kept, "kept_is": describe(kept), "rule": decision.why,
+                             "int8_dot_product": summary["int8_dot_product"],
+                             **({"skipped_candidates": skipped} if skipped else {})})
+
+
+def prepare_graph(fp32_path: Path, prepared: Path) -> Path:
+    """The fp32 graph as the quantizers take it: shapes inferred, a tied embedding shared."""
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
     # Symbolic shape inference cannot follow the dynamic past length; ONNX's own inference suffices.
     quant_pre_process(str(fp32_path), str(prepared), skip_symbolic_shape=True)
     proto = onnx.load(str(prepared))
     if share_tied_embedding(proto):
         onnx.save(proto, str(prepared))
+    return prepared
 
+
+def build_candidates(q: QuantizeConfig, methods: list[str], fp32: Any, prepared: Path, candidates: Path, shards: Any,
+                     scoring: tuple[np.ndarray, Any], hf_folder: Path | None, report: live.Report,
+                     ) -> tuple[dict[str, Any], dict[str, dict], dict[str, str]]:
+    """Each method's model in candidates/, scored against fp32: the loaded models, their results, and the
+    methods skipped because the model builder refused the model. The prepared graph is removed after."""
+    val_tokens, byte_lengths = scoring
     lms = {"fp32": fp32}
     fp32_score, fp32_greedy = score_and_greedy(fp32, val_tokens, byte_lengths)
     results: dict[str, dict] = {"fp32": {"file_bytes": fp32.file_bytes, "val_bpb": fp32_score.val_bpb,
                                          "token_agreement": 1.0}}
-    candidates = out_dir / "candidates"
     shutil.rmtree(candidates, ignore_errors=True)  # an interrupted earlier attempt's partial candidates
     candidates.mkdir()
-    methods = candidate_methods(q)
-    if hf_folder is None:  # the builder needs the transformers folder the graph came from
-        methods = [m for m in methods if m not in GENAI]
     report(0.05, {"phase": "quantizing", "fp32 val bits per byte": results["fp32"]["val_bpb"]}, force=True)
     skipped: dict[str, str] = {}
     refused: GenaiBuildError | None = None  # the builder refuses a model (its config), not one precision
@@ -315,7 +342,13 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
     prepared.unlink()
     if refused is not None and len(lms) == 1:  # only the builder's candidates were asked for
         raise refused
+    return lms, results, skipped
 
+
+def time_candidates(q: QuantizeConfig, lms: dict[str, Any], results: dict[str, dict], report: live.Report,
+                    ) -> tuple[Decision, int]:
+    """Every candidate with fp32, in alternation, until the rule's margins stand out of the noise: the rule's
+    decision and the rounds it took. Each result gets its prefill and decode speeds and their samples."""
     base = results["fp32"]
     quality = {k: v["val_bpb"] for k, v in results.items() if k != "fp32"}
     agreement = {k: v["token_agreement"] for k, v in results.items() if k != "fp32"}
@@ -330,19 +363,18 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
                                                **{f"{name} decode tok/s": best(s["decode"]) for name, s in samples.items()}})
         return decide(samples).settled
 
-    # Every candidate with fp32, in alternation, until the rule's margins stand out of the noise.
     speeds = alternating_speeds(lms, [1], DECODE_TOKENS, MIN_ROUNDS, MAX_ROUNDS, settled=settled)
     decision = decide(speeds)
-    kept, why = decision.kept, decision.why
-    rounds = len(speeds["fp32"]["decode"])
     for name, r in results.items():
         r.update(prefill_tok_s=round(best(speeds[name]["prefill_b1"]), 1),
                  decode_tok_s=round(best(speeds[name]["decode"]), 1), samples=speeds[name])
-    shutil.copyfile(candidates / f"{kept}.onnx", out_dir / "model.int8.onnx")
-    layout = copy_layout(Path(exported.output_dir), out_dir, "model.int8.onnx")
-    if kept in GENAI:  # the builder's graph: its inputs and its shared KV buffer, in the folder's genai_config
-        use_decoder_of(out_dir, candidates / f"{kept}.genai_config.json")
-    kept_r = results[kept]
+    return decision, len(speeds["fp32"]["decode"])
+
+
+def quantize_metrics(results: dict[str, dict], decision: Decision, rounds: int,
+                     started: float) -> dict[str, float | int]:
+    """The kept model against fp32, the rule's margins, and every candidate's figures by name."""
+    base, kept, kept_r = results["fp32"], decision.kept, results[decision.kept]
     metrics: dict[str, float | int] = {
         "fp32_bytes": base["file_bytes"], "int8_bytes": kept_r["file_bytes"],
         "size_ratio": round(base["file_bytes"] / kept_r["file_bytes"], 3),
@@ -362,20 +394,22 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
     for name, r in results.items():
         for key in ("val_bpb", "token_agreement", "file_bytes", "prefill_tok_s", "decode_tok_s"):
             metrics[f"{name}/{key}"] = r[key]
-    report = {"kept": kept, "kept_is": describe(kept), "rule": why, "rounds": rounds, "settled": decision.settled,
-              "int8_dot_product": int8_dot_product(), "results": results, "skipped": skipped}
-    atomic_write_json(out_dir / "candidates.json", report)
-    atomic_write_text(out_dir / "quantize_report.md", _markdown(report))
+    return metrics
+
+
+def write_reports(out_dir: Path, decision: Decision, rounds: int, results: dict[str, dict], skipped: dict[str, str],
+                  metrics: dict[str, float | int]) -> dict[str, Any]:
+    """candidates.json and quantize_report.md: what was kept, why, and every candidate's figures."""
+    kept, why, kept_r = decision.kept, decision.why, results[decision.kept]
+    summary = {"kept": kept, "kept_is": describe(kept), "rule": why, "rounds": rounds, "settled": decision.settled,
+               "int8_dot_product": int8_dot_product(), "results": results, "skipped": skipped}
+    atomic_write_json(out_dir / "candidates.json", summary)
+    atomic_write_text(out_dir / "quantize_report.md", _markdown(summary))
     log.info("kept %s: %.2f MB (%.1fx smaller than fp32 ONNX), val bpb %.4f (%+.2f%%), %.2fx the fp32 prefill and "
              "%.2fx its decode speed (%d rounds); %s", kept, kept_r["file_bytes"] / 1e6, metrics["size_ratio"],
              kept_r["val_bpb"], metrics["bpb_increase_pct"], metrics["speedup_vs_fp32"],
              metrics["decode_speedup_vs_fp32"], rounds, why)
-    return StageOutput(metrics=metrics, files={"onnx": "model.int8.onnx", "genai_config": GENAI_CONFIG,
-                                               "candidates": "candidates", "report": "quantize_report.md"},
-                       artifacts=["model.int8.onnx", *layout, "candidates.json", "quantize_report.md"],
-                       info={"kept": kept, "kept_is": describe(kept), "rule": why,
-                             "int8_dot_product": report["int8_dot_product"],
-                             **({"skipped_candidates": skipped} if skipped else {})})
+    return summary
 
 
 def _markdown(report: dict) -> str:

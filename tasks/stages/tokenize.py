@@ -12,7 +12,9 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from cpuforge.models.fileio import atomic_write_json
@@ -145,38 +147,58 @@ def tokenize(data: DataConfig, tok_cfg: TokenizerConfig, out_dir: Path, cache_di
         shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
 
     t0 = time.perf_counter()
-    corpus: Corpus = load_corpus(data, cache_dir)
-    docs = chunk_documents(corpus.docs, data.chunk_bytes, data.min_docs)
-    train_idx, val_idx = split_documents(docs, data.val_fraction, data.split_seed)
-    splits = {"train": [docs[i] for i in train_idx], "val": [docs[i] for i in val_idx]}
+    corpus, docs, splits = read_splits(data, cache_dir)
     load_seconds = time.perf_counter() - t0
     report(0.1, {"phase": "training the tokenizer" if not tok_cfg.path else "loading the tokenizer",
                  "documents": len(docs)}, force=True)
 
     t0 = time.perf_counter()
-    if tok_cfg.path:
-        tokenizer = load_tokenizer(Path(tok_cfg.path).expanduser(), tok_cfg.eod_token)
-        trained = False
-    else:
-        tokenizer = train_tokenizer(splits["train"], tok_cfg)
-        trained = True
+    tokenizer, trained = get_tokenizer(tok_cfg, splits["train"])
     tokenizer_seconds = time.perf_counter() - t0
     eod_id = tokenizer.token_to_id(tok_cfg.eod_token)
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    if trained and vocab_size < tok_cfg.vocab_size:
+    dtype = shard_dtype(vocab_size)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+
+    stats, encode_seconds = encode_splits(splits, tokenizer, eod_id, dtype, out_dir, data, report)
+    meta = shards_meta(corpus, docs, stats, tok_cfg, trained, dtype.name, vocab_size, eod_id)
+    atomic_write_json(out_dir / "meta.json", meta)
+    seconds = {"load_seconds": load_seconds, "tokenizer_seconds": tokenizer_seconds, "encode_seconds": encode_seconds}
+    return stage_output(corpus, data, meta, seconds)
+
+
+def read_splits(data: DataConfig, cache_dir: Path) -> tuple[Corpus, list[str], dict[str, list[str]]]:
+    """The corpus, its documents after chunking, and those documents split into train and val."""
+    corpus: Corpus = load_corpus(data, cache_dir)
+    docs = chunk_documents(corpus.docs, data.chunk_bytes, data.min_docs)
+    train_idx, val_idx = split_documents(docs, data.val_fraction, data.split_seed)
+    return corpus, docs, {"train": [docs[i] for i in train_idx], "val": [docs[i] for i in val_idx]}
+
+
+def get_tokenizer(tok_cfg: TokenizerConfig, train_docs: list[str]) -> tuple[Tokenizer, bool]:
+    """tokenizer.path's tokenizer, or one trained on the train split (True); warns when it learned fewer tokens."""
+    if tok_cfg.path:
+        return load_tokenizer(Path(tok_cfg.path).expanduser(), tok_cfg.eod_token), False
+    tokenizer = train_tokenizer(train_docs, tok_cfg)
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if vocab_size < tok_cfg.vocab_size:
         log.warning(
             "the tokenizer learned %d of the %d tokens asked for: the train split has no more pairs seen "
             "tokenizer.min_frequency=%d times (a bigger corpus or a smaller vocab_size fixes this)",
             vocab_size, tok_cfg.vocab_size, tok_cfg.min_frequency,
         )
-    dtype = shard_dtype(vocab_size)
-    tokenizer.save(str(out_dir / "tokenizer.json"))
+    return tokenizer, True
 
+
+def encode_splits(splits: dict[str, list[str]], tokenizer: Tokenizer, eod_id: int, dtype: np.dtype, out_dir: Path,
+                  data: DataConfig, report: live.Report) -> tuple[dict[str, dict[str, int | str]], float]:
+    """Each split into <name>.bin (by workers when it is big enough); its counts, and the seconds encoding took."""
     stats: dict[str, dict[str, int | str]] = {}
     encode_seconds = 0.0
     runner, why = choose_runner(data)
     log.info("encode runner for splits over %d characters: %s (%s)", data.piece_bytes, runner, why)
     all_chars = sum(len(d) for split_docs in splits.values() for d in split_docs)
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     encoded = 0  # characters of both splits, for the live progress
 
     def encoding(name: str, n: int) -> None:
@@ -204,12 +226,17 @@ def tokenize(data: DataConfig, tok_cfg: TokenizerConfig, out_dir: Path, cache_di
         encode_seconds += time.perf_counter() - t0
         log.info("%s: %d docs, %d bytes -> %d tokens", name, len(split_docs), n_bytes, tokens)
         stats[name] = {"docs": len(split_docs), "bytes": n_bytes, "tokens": tokens, "file": f"{name}.bin"}
+    return stats, encode_seconds
 
+
+def shards_meta(corpus: Corpus, docs: list[str], stats: dict[str, dict[str, int | str]], tok_cfg: TokenizerConfig,
+                trained: bool, dtype: str, vocab_size: int, eod_id: int) -> dict[str, Any]:
+    """meta.json: how to read the shards, what they hold and where they came from."""
     total_tokens = sum(int(s["tokens"]) for s in stats.values())
-    total_docs = len(train_idx) + len(val_idx)
-    meta = {
+    total_docs = sum(int(s["docs"]) for s in stats.values())
+    return {
         "format": META_FORMAT,
-        "dtype": dtype.name,
+        "dtype": dtype,
         "vocab_size": vocab_size,
         "eod_token": tok_cfg.eod_token,
         "eod_id": eod_id,
@@ -228,8 +255,13 @@ def tokenize(data: DataConfig, tok_cfg: TokenizerConfig, out_dir: Path, cache_di
         "replaced_sequences": corpus.replaced_sequences,
         "tokenizer": {"trained": trained, "path": tok_cfg.path},
     }
-    atomic_write_json(out_dir / "meta.json", meta)
 
+
+def stage_output(corpus: Corpus, data: DataConfig, meta: dict[str, Any], seconds: dict[str, float]) -> StageOutput:
+    """The stage's metrics, files, MLflow artifacts and dataset input."""
+    stats = meta["splits"]
+    total_tokens = sum(int(s["tokens"]) for s in stats.values())
+    encode_seconds = seconds["encode_seconds"]
     metrics = {
         "docs_train": stats["train"]["docs"],
         "docs_val": stats["val"]["docs"],
@@ -237,14 +269,12 @@ def tokenize(data: DataConfig, tok_cfg: TokenizerConfig, out_dir: Path, cache_di
         "bytes_val": stats["val"]["bytes"],
         "tokens_train": stats["train"]["tokens"],
         "tokens_val": stats["val"]["tokens"],
-        "vocab_size": vocab_size,
+        "vocab_size": meta["vocab_size"],
         "tokens_per_s": round(total_tokens / encode_seconds, 1) if encode_seconds > 0 else 0.0,
         "bytes_per_token": meta["bytes_per_token"],
         "skipped_files": len(corpus.skipped),
         "replaced_sequences": corpus.replaced_sequences,
-        "load_seconds": round(load_seconds, 3),
-        "tokenizer_seconds": round(tokenizer_seconds, 3),
-        "encode_seconds": round(encode_seconds, 3),
+        **{name: round(value, 3) for name, value in seconds.items()},
     }
     return StageOutput(
         metrics=metrics,
@@ -260,7 +290,7 @@ def tokenize(data: DataConfig, tok_cfg: TokenizerConfig, out_dir: Path, cache_di
         },
         info={
             "skipped": corpus.skipped[:50],
-            "dtype": dtype.name,
-            "eod_id": eod_id,
+            "dtype": meta["dtype"],
+            "eod_id": meta["eod_id"],
         },
     )

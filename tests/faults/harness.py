@@ -19,9 +19,12 @@ from pathlib import Path
 
 import psutil
 
+from cpuforge.tasks import stages
+
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "CPUFORGE_FAULT_MARKER"
-STAGES = ("tokenize", "pretrain", "prune", "recover", "export", "quantize", "evaluate", "gguf")
+STAGES = tuple(stages.names())
+TRAINING = tuple(spec.name for spec in stages.PIPELINE if spec.kind == "training")  # step-budgeted: bit for bit
 # The tiny profile with step budgets instead of wall-clock ones, so an interrupted and an
 # uninterrupted run must produce the same weights bit for bit; training long enough to be hit
 # mid-stage; scoring and timing kept short (they decide nothing here).
