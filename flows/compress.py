@@ -14,8 +14,8 @@ from cpuforge.flows.session import (
     PruneStrategy,
     flow_session,
     rebuild_set,
-    resolve_flow_run,
     register_final,
+    resolve_flow_run,
     run_stages,
 )
 from cpuforge.tasks import stages

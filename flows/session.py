@@ -109,29 +109,24 @@ def flow_session(
 
 def run_stages(order: tuple[StageSpec, ...], summary: RunSummary, ctx: StageContext,
                run: ResolvedRun) -> dict[str, StageRecord]:
-    """Run the stages in the registry's order, each given the records of the stages it needs; returns
-    every record by the name later stages know it by (adopt's as "pretrain")."""
+    """Run the stages in the registry's order, each as its Prefect task given the records of the stages it
+    needs, and add each record to the summary (a failure is recorded, then re-raised). Returns every
+    record by the name later stages know it by (adopt's as "pretrain")."""
     records: dict[str, StageRecord] = {}
     for spec in order:
         inputs = {name: records[name] for name in spec.needs}
-        records[stages.record_name(spec)] = run_stage_task(spec, summary, ctx, inputs, run.extra_key(spec), run.source)
+        try:
+            state = stage_task(spec)(ctx, inputs, run.extra_key(spec), run.source, return_state=True)
+            record: StageRecord = state.result()  # re-raises the stage's exception when it failed
+        except Exception as exc:
+            summary.stage_failed(spec.name, "failed", exc)
+            raise
+        except BaseException as exc:  # cancelled: the stage stopped where it was; its last checkpoint stays
+            summary.stage_failed(spec.name, "cancelled", exc)
+            raise
+        summary.add_stage(record)
+        records[stages.record_name(spec)] = record
     return records
-
-
-def run_stage_task(spec: StageSpec, summary: RunSummary, ctx: StageContext, inputs: dict[str, StageRecord],
-                   extra_key: Any = None, source: PretrainedSource | None = None) -> StageRecord:
-    """Run one stage as its Prefect task and add its record to the summary; a failure is recorded, then re-raised."""
-    try:
-        state = stage_task(spec)(ctx, inputs, extra_key, source, return_state=True)
-        record: StageRecord = state.result()  # re-raises the stage's exception when it failed
-    except Exception as exc:
-        summary.stage_failed(spec.name, "failed", exc)
-        raise
-    except BaseException as exc:  # cancelled: the stage stopped where it was; its last checkpoint stays
-        summary.stage_failed(spec.name, "cancelled", exc)
-        raise
-    summary.add_stage(record)
-    return record
 
 
 def register_final(summary: RunSummary, ctx: StageContext, records: dict[str, StageRecord],

@@ -13,7 +13,6 @@ from typing import Any
 from cpuforge.tasks.records.errors import UserError
 
 
-
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Shows each option's default (where there is one to show) and keeps the examples' line breaks."""
 
