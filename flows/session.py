@@ -115,8 +115,9 @@ def run_stages(order: tuple[StageSpec, ...], summary: RunSummary, ctx: StageCont
     records: dict[str, StageRecord] = {}
     for spec in order:
         inputs = {name: records[name] for name in spec.needs}
+        extra = run.extra_key(spec)  # an unreadable data source fails the run here, before the stage starts
         try:
-            state = stage_task(spec)(ctx, inputs, run.extra_key(spec), run.source, return_state=True)
+            state = stage_task(spec)(ctx, inputs, extra, run.source, return_state=True)
             record: StageRecord = state.result()  # re-raises the stage's exception when it failed
         except Exception as exc:
             summary.stage_failed(spec.name, "failed", exc)
