@@ -12,10 +12,10 @@ from cpuforge.flows.session import (
     DEFAULT_WORKDIR,
     Profile,
     PruneStrategy,
-    flow_config,
     flow_session,
     rebuild_set,
     register_final,
+    resolve_flow_run,
     run_stages,
 )
 from cpuforge.tasks import stages
@@ -59,11 +59,12 @@ def compress(
         rebuild: build this stage and every stage that reads its output again, even where the store has them (e.g. prune).
             Empty: reuse what is there.
     """
-    cfg = flow_config(profile, config_file, overrides, data_source=data_source, keep_ratio=keep_ratio,
-                      prune_strategy=prune_strategy, recover_minutes=recover_minutes)
+    run = resolve_flow_run(profile, config_file, overrides, workdir, pretrained,
+                           data_source=data_source, keep_ratio=keep_ratio, prune_strategy=prune_strategy,
+                           recover_minutes=recover_minutes)
     find = partial(find_source_task, pretrained)
-    with flow_session("compress", cfg, workdir, summary_path, find_pretrained=find, adopt_shape=True,
-                      rebuild=rebuild_set(rebuild, stages.COMPRESS)) as (summary, ctx, source):
-        records = run_stages(stages.COMPRESS, summary, ctx, source)
-        register_final(summary, ctx, records, source)
+    with flow_session("compress", run, workdir, summary_path, find_pretrained=find, adopt_shape=True,
+                      rebuild=rebuild_set(rebuild, stages.COMPRESS)) as (summary, ctx):
+        records = run_stages(stages.COMPRESS, summary, ctx, run)
+        register_final(summary, ctx, records, run.source)
     return summary.as_json()

@@ -11,10 +11,10 @@ from cpuforge.flows.session import (
     DEFAULT_WORKDIR,
     Profile,
     PruneStrategy,
-    flow_config,
     flow_session,
     rebuild_set,
     register_final,
+    resolve_flow_run,
     run_stages,
 )
 from cpuforge.tasks import stages
@@ -58,12 +58,12 @@ def pipeline(
         rebuild: build this stage and every stage that reads its output again, even where the store has them (e.g. prune).
             Empty: reuse what is there.
     """
-    cfg = flow_config(profile, config_file, overrides, data_source=data_source, pretrain_minutes=pretrain_minutes,
-                      init_from=init_from, keep_ratio=keep_ratio, prune_strategy=prune_strategy,
-                      recover_minutes=recover_minutes)
-    find = find_init_task if cfg.train.init_from else None
-    with flow_session("pipeline", cfg, workdir, summary_path, find_pretrained=find,
-                      rebuild=rebuild_set(rebuild, stages.PIPELINE)) as (summary, ctx, init):
-        records = run_stages(stages.PIPELINE, summary, ctx, init)
-        register_final(summary, ctx, records, init)
+    run = resolve_flow_run(profile, config_file, overrides, workdir, data_source=data_source,
+                           pretrain_minutes=pretrain_minutes, init_from=init_from, keep_ratio=keep_ratio,
+                           prune_strategy=prune_strategy, recover_minutes=recover_minutes)
+    find = find_init_task if run.cfg.train.init_from else None
+    with flow_session("pipeline", run, workdir, summary_path, find_pretrained=find,
+                      rebuild=rebuild_set(rebuild, stages.PIPELINE)) as (summary, ctx):
+        records = run_stages(stages.PIPELINE, summary, ctx, run)
+        register_final(summary, ctx, records, run.source)
     return summary.as_json()

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cpuforge.tasks import stages
-from cpuforge.tasks.config.settings import Config
-from cpuforge.tasks.engine.sizing import resolve_auto_size
+from cpuforge.tasks.config.resolve import ResolvedRun
 from cpuforge.tasks.infra.stage import StageSpec, key_of, key_parts
 from cpuforge.tasks.infra.store import RECORD_FILE, StageRecord, StageStore
 
@@ -105,10 +104,11 @@ def why_build(store: StageStore, spec: StageSpec, parts: dict[str, Any], changed
     return reasons or ["its closest output was made from other inputs"]
 
 
-def extra_key(spec: StageSpec, cfg: Config) -> tuple[Any, str | None]:
+def extra_key(spec: StageSpec, run: ResolvedRun) -> tuple[Any, str | None]:
     """(the stage's extra key, or a note when it is only known once the run starts)."""
+    cfg = run.cfg
     if spec.extra == "corpus":
-        return stages.extra_key(spec, cfg, None), None
+        return run.extra_key(spec), None
     if spec.extra == "source" and spec.stands_for:
         return None, "the model it starts from is resolved when the run starts"
     if spec.extra == "source" and cfg.train.init_from:
@@ -117,16 +117,17 @@ def extra_key(spec: StageSpec, cfg: Config) -> tuple[Any, str | None]:
     return None, None
 
 
-def plan(cfg: Config, workdir: Path, rebuild: frozenset[str] = frozenset(),
+def plan(run: ResolvedRun, rebuild: frozenset[str] = frozenset(),
          order: tuple[StageSpec, ...] = stages.PIPELINE) -> list[PlanRow]:
-    if stages.PRETRAIN in order and not cfg.train.init_from:  # as the run does for a new model (flows/session.py)
-        cfg, _ = resolve_auto_size(cfg, workdir)
-    store = StageStore(workdir)
+    if stages.PRETRAIN in order and not run.cfg.train.init_from:  # as the run does for a new model (flows/session.py)
+        run.start(None)
+    cfg = run.cfg
+    store = StageStore(run.workdir)
     keys: dict[str, str] = {}
     building: set[str] = set()
     rows = []
     for spec in order:
-        extra, note = extra_key(spec, cfg)
+        extra, note = extra_key(spec, run)
         parts = key_parts(spec, cfg, {name: keys[name] for name in spec.needs}, extra)
         key = keys[spec.name] = key_of(spec, parts)
         folder = store.final_dir(spec.name, key)

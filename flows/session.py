@@ -11,18 +11,18 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from prefect.runtime import flow_run
+from prefect.runtime import flow_run as prefect_run
 
 from cpuforge.tasks import stages
-from cpuforge.tasks.config.settings import Config, load_config
-from cpuforge.tasks.engine.sizing import resolve_auto_size
+from cpuforge.tasks.config.resolve import ResolvedRun, resolve_run
+from cpuforge.tasks.config.settings import Config
 from cpuforge.tasks.infra import confinement, tracking
 from cpuforge.tasks.infra.runner import stage_task
 from cpuforge.tasks.infra.stage import StageContext, StageSpec
 from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.records.errors import ConfigError
 from cpuforge.tasks.records.summary import RunSummary, new_summary, write_summary
-from cpuforge.tasks.release.lineage import PretrainedSource, lineage_tags, with_source
+from cpuforge.tasks.release.lineage import PretrainedSource, lineage_tags
 from cpuforge.tasks.release.register import register_task
 
 log = logging.getLogger("cpuforge.flow")
@@ -62,13 +62,10 @@ def rebuild_set(rebuild: str, order: tuple[StageSpec, ...]) -> frozenset[str]:
         raise ConfigError(f"rebuild: {exc}") from None
 
 
-def flow_config(profile: str, config_file: str | None, overrides: Sequence[str] | None, **form: Any) -> Config:
-    """The validated config of a flow run: profile, config file, the form's fields, then the overrides.
-    On a confined worker every path it names must lie in the allowed folders (tasks/infra/confinement.py)."""
-    confinement.check_config_file(config_file)
-    cfg = load_config(profile, config_file or None, [*form_overrides(**form), *(overrides or ())])
-    confinement.check_config(cfg)
-    return cfg
+def resolve_flow_run(profile: str, config_file: str | None, overrides: Sequence[str] | None,
+                     workdir: str = DEFAULT_WORKDIR, pretrained: str = "", **form: Any) -> ResolvedRun:
+    """The resolved settings of a flow run: profile, config file, the form's fields, then the overrides."""
+    return resolve_run(profile, config_file, [*form_overrides(**form), *(overrides or ())], workdir, pretrained)
 
 
 FindPretrained = Callable[[Config, Path], "PretrainedSource | None"]
@@ -76,32 +73,29 @@ FindPretrained = Callable[[Config, Path], "PretrainedSource | None"]
 
 @contextlib.contextmanager
 def flow_session(
-    flow_name: str, cfg: Config, workdir: str, summary_path: str | None,
+    flow_name: str, run: ResolvedRun, workdir: str, summary_path: str | None,
     find_pretrained: FindPretrained | None = None, adopt_shape: bool = False, rebuild: frozenset[str] = frozenset(),
-) -> Iterator[tuple[RunSummary, StageContext, PretrainedSource | None]]:
-    """Set up tracking, find the pretrained weights the run starts from (if any), open the MLflow parent
-    run, and write the summary however the run ends. Yields (summary, stage context, pretrained source)."""
+) -> Iterator[tuple[RunSummary, StageContext]]:
+    """Set up tracking, find the pretrained weights the run starts from (if any; `run` is then final),
+    open the MLflow parent run, and write the summary however the run ends. Yields (summary, stage context)."""
     if logging.getLogger("cpuforge").level == logging.NOTSET:  # a worker's run: stage logs reach the UI
         logging.getLogger("cpuforge").setLevel(logging.INFO)
-    confinement.check_run_paths(workdir, summary_path)  # before anything is written there
-    root = Path(workdir).expanduser().resolve()
-    run_id = flow_run.get_id() or str(uuid.uuid4())
-    summary = new_summary(run_id, cfg, root)
+    confinement.check_run_paths(workdir, summary_path)  # as given, before anything is written there
+    root = run.workdir
+    run_id = prefect_run.get_id() or str(uuid.uuid4())
+    summary = new_summary(run_id, run.cfg, root)
     summary.flow = flow_name
     try:
-        uri, experiment_id = tracking.setup(cfg, root)
+        uri, experiment_id = tracking.setup(run.cfg, root)
         summary.mlflow_tracking_uri, summary.mlflow_experiment_id = uri, experiment_id
-        source = find_pretrained(cfg, root) if find_pretrained else None
-        if source is not None:
-            cfg = with_source(cfg, source, adopt_shape)
-        else:  # a new model: model.size=auto chooses its shape now, before any stage key is computed
-            cfg, _ = resolve_auto_size(cfg, root)
+        source = find_pretrained(run.cfg, root) if find_pretrained else None
+        run.start(source, adopt_shape)
         summary.pretrained_from = source.as_dict() if source else None
-        with tracking.pipeline_run(cfg, root, run_name=flow_run.get_name() or run_id[:8],
+        with tracking.pipeline_run(run.cfg, root, run_name=prefect_run.get_name() or run_id[:8],
                                    tags={"cpuforge.run_id": run_id, "cpuforge.flow": flow_name}) as parent_run_id:
             summary.mlflow_run_id = parent_run_id
             tracking.end_abandoned_runs(experiment_id, found_by=f"cpuforge run {run_id} (MLflow run {parent_run_id})")
-            yield summary, StageContext(cfg, root, parent_run_id, uri, experiment_id, rebuild), source
+            yield summary, StageContext(run.cfg, root, parent_run_id, uri, experiment_id, rebuild)
         summary.status = "completed"
     except Exception as exc:
         summary.status, summary.error = "failed", f"{type(exc).__name__}: {exc}"
@@ -110,35 +104,30 @@ def flow_session(
         summary.status, summary.error = "cancelled", f"{type(exc).__name__}: {exc}"
         raise
     finally:
-        write_summary(summary, cfg, summary_path)
+        write_summary(summary, run.cfg, summary_path)
 
 
 def run_stages(order: tuple[StageSpec, ...], summary: RunSummary, ctx: StageContext,
-               source: PretrainedSource | None) -> dict[str, StageRecord]:
-    """Run the stages in the registry's order, each given the records of the stages it needs; returns
-    every record by the name later stages know it by (adopt's as "pretrain")."""
+               run: ResolvedRun) -> dict[str, StageRecord]:
+    """Run the stages in the registry's order, each as its Prefect task given the records of the stages it
+    needs, and add each record to the summary (a failure is recorded, then re-raised). Returns every
+    record by the name later stages know it by (adopt's as "pretrain")."""
     records: dict[str, StageRecord] = {}
     for spec in order:
         inputs = {name: records[name] for name in spec.needs}
-        extra = stages.extra_key(spec, ctx.cfg, source)
-        records[stages.record_name(spec)] = run_stage_task(spec, summary, ctx, inputs, extra, source)
+        extra = run.extra_key(spec)  # an unreadable data source fails the run here, before the stage starts
+        try:
+            state = stage_task(spec)(ctx, inputs, extra, run.source, return_state=True)
+            record: StageRecord = state.result()  # re-raises the stage's exception when it failed
+        except Exception as exc:
+            summary.stage_failed(spec.name, "failed", exc)
+            raise
+        except BaseException as exc:  # cancelled: the stage stopped where it was; its last checkpoint stays
+            summary.stage_failed(spec.name, "cancelled", exc)
+            raise
+        summary.add_stage(record)
+        records[stages.record_name(spec)] = record
     return records
-
-
-def run_stage_task(spec: StageSpec, summary: RunSummary, ctx: StageContext, inputs: dict[str, StageRecord],
-                   extra_key: Any = None, source: PretrainedSource | None = None) -> StageRecord:
-    """Run one stage as its Prefect task and add its record to the summary; a failure is recorded, then re-raised."""
-    try:
-        state = stage_task(spec)(ctx, inputs, extra_key, source, return_state=True)
-        record: StageRecord = state.result()  # re-raises the stage's exception when it failed
-    except Exception as exc:
-        summary.stage_failed(spec.name, "failed", exc)
-        raise
-    except BaseException as exc:  # cancelled: the stage stopped where it was; its last checkpoint stays
-        summary.stage_failed(spec.name, "cancelled", exc)
-        raise
-    summary.add_stage(record)
-    return record
 
 
 def register_final(summary: RunSummary, ctx: StageContext, records: dict[str, StageRecord],

@@ -81,13 +81,13 @@ def test_bad_config_files(tmp_path: Path):
 
 
 def test_the_flow_forms_blank_fields_keep_the_profile_and_filled_ones_override_it():
-    from cpuforge.flows.session import flow_config
+    from cpuforge.flows.session import resolve_flow_run
 
     tiny = load_config("tiny")
-    blank = flow_config("tiny", "", (), data_source="", pretrain_minutes=0, keep_ratio=0, prune_strategy="")
+    blank = resolve_flow_run("tiny", "", (), data_source="", pretrain_minutes=0, keep_ratio=0, prune_strategy="").cfg
     assert blank == tiny
-    cfg = flow_config("tiny", "", ["prune.keep_ratio=0.7"], data_source="yes", keep_ratio=0.6, prune_strategy="depth",
-                      pretrain_minutes=1.5)
+    cfg = resolve_flow_run("tiny", "", ["prune.keep_ratio=0.7"], data_source="yes", keep_ratio=0.6, prune_strategy="depth",
+                           pretrain_minutes=1.5).cfg
     assert cfg.data.source == "yes"  # typed text stays text, not YAML's boolean
     assert cfg.prune.strategy == "depth" and cfg.train.max_minutes == 1.5
     assert cfg.prune.keep_ratio == 0.7  # free-form overrides have the last word

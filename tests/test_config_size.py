@@ -11,6 +11,7 @@ import pytest
 
 from cpuforge.models.config import AUTO_LADDER, LlamaConfig, ladder_shape
 from cpuforge.models.llama import config_param_count, flops_per_token
+from cpuforge.tasks.config.resolve import ResolvedRun
 from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine import sizing
 from cpuforge.tasks.records.errors import ConfigError
@@ -111,14 +112,14 @@ def test_plan_and_run_choose_the_same_shape_from_the_cached_measurement(tmp_path
     corpus.mkdir()
     (corpus / "a.txt").write_text("some text\n" * 50)
     cfg = load_config("demo", overrides=[f"data.source={corpus}"])
-    planned = {row.stage: row.key for row in plan(cfg, tmp_path / "work")}
+    planned = {row.stage: row.key for row in plan(ResolvedRun(cfg, tmp_path / "work"))}
     assert machine["calls"] == 1
     cache = json.loads((tmp_path / "work" / "cache" / sizing.CACHE_FILE).read_text())
     assert len(cache) == len(sizing.candidate_shapes({"block_size": 256}, {}, 4096))
     machine["flop_rate"] *= 100  # the machine got faster, but the run reads the cached measurement
     resolved, _ = sizing.resolve_auto_size(cfg, tmp_path / "work")
     assert machine["calls"] == 1
-    assert {row.stage: row.key for row in plan(resolved, tmp_path / "work")} == planned
+    assert {row.stage: row.key for row in plan(ResolvedRun(resolved, tmp_path / "work"))} == planned
 
 
 def test_explain_says_auto_fills_only_what_is_not_set():

@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from cpuforge.tasks import stages
+from cpuforge.tasks.config.resolve import ResolvedRun
 from cpuforge.tasks.config.settings import SECTIONS, load_config
 from cpuforge.tasks.infra.stage import NOT_IN_KEY
 from cpuforge.flows.plan import plan
@@ -52,7 +53,7 @@ def candidates(value, annotation):
 
 
 def keys(cfg, workdir: Path) -> dict[str, str]:
-    return {row.stage: row.key for row in plan(cfg, workdir)}
+    return {row.stage: row.key for row in plan(ResolvedRun(cfg, workdir))}
 
 
 def test_every_setting_rekeys_the_stages_that_declare_it_and_those_after_them(tmp_path):

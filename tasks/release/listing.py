@@ -1,16 +1,16 @@
 """What `cpuforge runs` and `cpuforge models` list: past pipeline runs (from a work folder's run
-summaries, or from the parent runs in an MLflow store) and the registered versions with their
-aliases, key figures and alias history. Rows are plain dicts: the same rows print as a table or
+summaries, read as RunSummary, or from the parent runs in an MLflow store) and the registered versions with
+their aliases, key figures and alias history. Rows are plain dicts: the same rows print as a table or
 as JSON for scripts."""
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import ValidationError
 
 from cpuforge.tasks.infra import model_registry, tracking
 from cpuforge.tasks.infra.model_registry import (
@@ -21,6 +21,7 @@ from cpuforge.tasks.infra.model_registry import (
     TAG_REASON,
     TAG_VAL_BPB,
 )
+from cpuforge.tasks.records.summary import RunSummary
 
 RUN_COLUMNS = ("started_at", "profile", "data_source", "status", "seconds", "final_val_bpb", "decision", "run_id")
 
@@ -30,27 +31,27 @@ def runs_in_workdir(workdir: Path, limit: int) -> list[dict[str, Any]]:
     rows = []
     for path in (workdir / "runs").glob("*/summary.json"):
         try:
-            summary = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):  # not a cpuforge summary: not a run to list
+            summary = RunSummary.model_validate_json(path.read_bytes())
+        except (OSError, ValidationError):  # not a cpuforge summary: not a run to list
             continue
         rows.append(_summary_row(summary, path.parent / "config.yaml"))
     rows.sort(key=lambda row: row["started_at"] or "", reverse=True)
     return rows[:limit]
 
 
-def _summary_row(summary: dict[str, Any], config_path: Path) -> dict[str, Any]:
-    registry = summary.get("registry") or {}
-    evaluate = (summary.get("stages") or {}).get("evaluate") or {}
-    started, finished = summary.get("started_at"), summary.get("finished_at")
+def _summary_row(summary: RunSummary, config_path: Path) -> dict[str, Any]:
+    registry = summary.registry or {}
+    evaluate = summary.stages.get("evaluate")
+    started, finished = summary.started_at, summary.finished_at
     return {
-        "started_at": started, "run_id": summary.get("run_id", ""), "flow": summary.get("flow", "pipeline"),
-        "profile": summary.get("profile", ""), "data_source": _data_source(config_path),
-        "status": summary.get("status", ""),
+        "started_at": started, "run_id": summary.run_id, "flow": summary.flow or "pipeline",
+        "profile": summary.profile, "data_source": _data_source(config_path),
+        "status": summary.status,
         "seconds": round((datetime.fromisoformat(finished) - datetime.fromisoformat(started)).total_seconds(), 1)
         if started and finished else None,
-        "final_val_bpb": (evaluate.get("metrics") or {}).get("final_val_bpb"),
+        "final_val_bpb": evaluate.metrics.get("final_val_bpb") if evaluate else None,
         "decision": registry.get("decision"), "model_version": registry.get("version"),
-        "mlflow_run_id": summary.get("mlflow_run_id"),
+        "mlflow_run_id": summary.mlflow_run_id,
     }
 
 
