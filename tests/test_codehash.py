@@ -31,8 +31,8 @@ def test_editing_the_trainer_changes_the_training_stages_keys_and_not_tokenize(t
     before = stage_code_hashes(project)
     trainer = project / "cpuforge" / "tasks" / "engine" / "trainer.py"
     source = trainer.read_text()
-    edited = source.replace("def lr_at(step: int, s: TrainSettings, horizon: int) -> float:\n",
-                            "def lr_at(step: int, s: TrainSettings, horizon: int) -> float:\n    step = max(step, 0)\n")
+    edited = source.replace("def lr_at(step: int, s: TrainConfig, horizon: int) -> float:\n",
+                            "def lr_at(step: int, s: TrainConfig, horizon: int) -> float:\n    step = max(step, 0)\n")
     assert edited != source
     trainer.write_text(edited)
     after = stage_code_hashes(project)

@@ -16,7 +16,7 @@ import logging
 import os
 import subprocess
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,7 +38,7 @@ from cpuforge.tasks.engine.processes import stop_process_group
 from cpuforge.tasks.engine.progress import ProgressFile, budget_bar
 from cpuforge.tasks.engine.rendezvous import torchrun_command
 from cpuforge.tasks.engine.step_timing import choose_precision
-from cpuforge.tasks.engine.trainer import TrainSettings, train
+from cpuforge.tasks.engine.trainer import RunFacts, TrainingResult, train
 from cpuforge.tasks.infra import live, tracking
 from cpuforge.tasks.infra.locks import training_slot
 
@@ -71,45 +71,20 @@ class TrainingSpec(BaseModel):
     cache_dir: str = ""  # the workdir's cache: torch.compile keeps its compiled graphs there (train.compile)
 
 
-class TrainingResult(BaseModel):
-    """Rank 0's summary of a finished training (result.json); the per-step history is history.jsonl."""
-
-    steps: int
-    tokens: int
-    seconds: float
-    tokens_per_s: float
-    mfu: float
-    val_loss: float
-    val_bpb: float
-    peak_rss_mb: float
-    resumed_from: int | None = None
-    compile: dict[str, Any] = {}  # the torch.compile decision it trained under (compile_params, compile_metrics)
-
-
 def threads_per_process(train_cfg: TrainConfig) -> int:
     return train_cfg.threads or max(1, available_cores() // train_cfg.nproc_per_node)
 
 
-def settings(t: TrainConfig, dtype: torch.dtype, peak_flops: float) -> TrainSettings:
-    return TrainSettings(
-        batch_size=t.batch_size, grad_accum=t.grad_accum, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
-        weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip, max_tokens=t.max_tokens,
-        max_steps=t.max_steps, max_minutes=t.max_minutes, eval_interval=t.eval_interval,
-        checkpoint_every_steps=t.checkpoint_every_steps, checkpoint_every_minutes=t.checkpoint_every_minutes,
-        seed=t.seed, dtype=dtype, peak_flops=peak_flops, strategy=t.strategy, optimizer=t.optimizer_in_use(),
-        muon_lr=t.muon_lr, lr_schedule=t.lr_schedule, cooldown_fraction=t.cooldown_fraction,
-    )
-
-
-def recover_settings(t: TrainConfig, r: RecoverConfig, dtype: torch.dtype, peak_flops: float) -> TrainSettings:
-    """Pretraining's engine settings with recovery's budget, optimizer and learning rates, and cosine
-    decay whatever pretraining used: train.optimizer/muon_lr/lr_schedule were tuned for training from
-    scratch, not for distilling into pruned weights (docs/training.md, "Recovery's optimizer")."""
-    return replace(settings(t, dtype, peak_flops), lr=r.lr, min_lr=r.lr / 10, optimizer=r.optimizer_in_use(t),
-                   muon_lr=r.muon_lr, lr_schedule="cosine",
-                   warmup_steps=min(t.warmup_steps, 10), max_tokens=r.max_tokens, max_steps=r.max_steps,
-                   max_minutes=r.max_minutes,
-                   seed=t.seed + 1)  # a data stream of its own, not a replay of pretraining's first steps
+def recover_train_config(t: TrainConfig, r: RecoverConfig) -> TrainConfig:
+    """The train section recovery trains under: pretraining's, with recovery's budget, optimizer and learning
+    rates, and cosine decay whatever pretraining used: train.optimizer/muon_lr/lr_schedule were tuned for
+    training from scratch, not for distilling into pruned weights (docs/training.md, "Recovery's optimizer")."""
+    return t.model_copy(update={
+        "lr": r.lr, "min_lr": r.lr / 10, "optimizer": r.optimizer_in_use(t), "muon_lr": r.muon_lr,
+        "lr_schedule": "cosine", "warmup_steps": min(t.warmup_steps, 10),
+        "max_tokens": r.max_tokens, "max_steps": r.max_steps, "max_minutes": r.max_minutes,
+        "seed": t.seed + 1,  # a data stream of its own, not a replay of pretraining's first steps
+    })
 
 
 def world_size(train_cfg: TrainConfig) -> int:
@@ -202,12 +177,12 @@ def compile_metrics(decision: dict[str, Any]) -> dict[str, float]:
     return figures | ({"compile_probe_s": decision["probe_s"]} if decision.get("probe_s") else {})
 
 
-def budget_left(s: TrainSettings, spent_s: float) -> TrainSettings:
+def budget_left(s: TrainConfig, spent_s: float) -> TrainConfig:
     """The settings with a wall-clock budget less what deciding how to train already spent (the compile probe):
     the budget is the training's wall-clock, finding out included."""
     if not s.max_minutes or spent_s <= 0:
         return s
-    return replace(s, max_minutes=max(s.max_minutes - spent_s / 60, 1 / 60))
+    return s.model_copy(update={"max_minutes": max(s.max_minutes - spent_s / 60, 1 / 60)})
 
 
 def execute(spec: TrainingSpec, report: live.Report = live.nothing) -> TrainingResult:
@@ -233,16 +208,18 @@ def execute(spec: TrainingSpec, report: live.Report = live.nothing) -> TrainingR
         return result
 
 
-def _build(spec: TrainingSpec):
-    """(model to train, loss function, settings) for the spec's kind."""
-    dtype = getattr(torch, spec.dtype)
+def _build(spec: TrainingSpec) -> tuple[torch.nn.Module, Any, TrainConfig, RunFacts]:
+    """(model to train, loss function, its train settings, the run's facts) for the spec's kind. Recovery
+    trains under recover_train_config; either way the wall-clock budget is less the compile probe's seconds."""
+    facts = RunFacts(dtype=getattr(torch, spec.dtype), peak_flops=spec.peak_flops)
+    probe_s = spec.compile.get("probe_s", 0)
     if spec.kind == "recover":
         assert spec.recover is not None and spec.student_dir and spec.teacher_dir
         student, teacher = load_model(Path(spec.student_dir)), load_model(Path(spec.teacher_dir))
         r = spec.recover
-        recover = budget_left(recover_settings(spec.train, r, dtype, spec.peak_flops), spec.compile.get("probe_s", 0))
         return student, distillation_loss(teacher, r.temperature, r.kd_weight, r.lm_weight), \
-            replace(recover, flops_per_token=training_flops_per_token(student.cfg, teacher.cfg))
+            budget_left(recover_train_config(spec.train, r), probe_s), \
+            replace(facts, flops_per_token=training_flops_per_token(student.cfg, teacher.cfg))
     assert spec.model is not None
     # Continued pretraining starts from given weights (a checkpoint found later still takes precedence).
     if spec.init_dir:
@@ -251,7 +228,7 @@ def _build(spec: TrainingSpec):
         model = Llama(spec.model)
         if spec.train.zero_init_residual:
             zero_residual_projections(model)
-    return model, lm_loss, budget_left(settings(spec.train, dtype, spec.peak_flops), spec.compile.get("probe_s", 0))
+    return model, lm_loss, budget_left(spec.train, probe_s), facts
 
 
 def run_training(spec: TrainingSpec | dict[str, Any]) -> TrainingResult | None:
@@ -264,7 +241,7 @@ def run_training(spec: TrainingSpec | dict[str, Any]) -> TrainingResult | None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.set_num_threads(spec.threads)
     torch.manual_seed(t.seed)
-    model, loss_fn, train_settings = _build(spec)
+    model, loss_fn, train_cfg, facts = _build(spec)
     block = model.cfg.block_size
     shards = open_shards(Path(spec.tokenize_dir), block)
     model.activation_checkpointing = t.activation_checkpointing
@@ -290,7 +267,7 @@ def run_training(spec: TrainingSpec | dict[str, Any]) -> TrainingResult | None:
             update(fraction, status)
             progress_file.progress(fraction, status, final=fraction >= 1.0)
 
-        result = train(model, shards.train, val, byte_lengths, train_settings, out_dir / "checkpoints",
+        result = train(model, shards.train, val, byte_lengths, train_cfg, out_dir / "checkpoints", facts,
                        loss_fn=loss_fn, log_metrics=log_metrics if progress_file else None,
                        on_progress=on_progress if progress_file else update)
     if logger:
@@ -301,9 +278,9 @@ def run_training(spec: TrainingSpec | dict[str, Any]) -> TrainingResult | None:
     save_model(model, out_dir / "model", extra={"dtype": spec.dtype}, weights=weights)
     write_tokenizer(out_dir / "model", shards.tokenizer_path, shards.meta["eod_token"], shards.eod_id)
     atomic_write_text(out_dir / "history.jsonl", "".join(json.dumps(h) + "\n" for h in result.history))
-    summary = TrainingResult(**{k: v for k, v in asdict(result).items() if k != "history"}, compile=spec.compile)
-    atomic_write_text(out_dir / "result.json", summary.model_dump_json(indent=2))
-    return summary
+    result = result.model_copy(update={"compile": spec.compile})
+    atomic_write_text(out_dir / "result.json", result.model_dump_json(indent=2))  # the history is not in it
+    return result
 
 
 def launch_torchrun(train_cfg: TrainConfig, spec_path: Path, rdzv_id: str) -> None:
