@@ -213,8 +213,17 @@ def test_a_run_resumes_under_the_optimizer_that_wrote_its_checkpoint(shards, tmp
 
 
 def test_two_processes_with_ddp_over_gloo(shards, tmp_path):
+    from mlflow import MlflowClient
+
+    from cpuforge.tasks.engine.training_run import TrainingHooks
+    from cpuforge.tasks.infra.tracking import MetricLogger
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("ddp")).info.run_id
     spec = spec_for(shards, tmp_path / "ddp", "train.max_steps=12", "train.nproc_per_node=2",
-                    "train.eval_interval=6", "train.checkpoint_every_steps=6")
+                    "train.eval_interval=6", "train.checkpoint_every_steps=6").model_copy(
+        update={"tracking_uri": uri, "run_id": run_id, "hooks": TrainingHooks.of(metrics=MetricLogger)})
     spec_path = tmp_path / "ddp" / "launch.json"
     spec_path.write_text(spec.model_dump_json())
     launch_torchrun(spec.train, spec_path, "k" * 16)
@@ -224,6 +233,9 @@ def test_two_processes_with_ddp_over_gloo(shards, tmp_path):
     history = [json.loads(line) for line in (tmp_path / "ddp" / "history.jsonl").read_text().splitlines()]
     assert history[-1]["loss"] < history[0]["loss"]
     assert sorted(p.name for p in (tmp_path / "ddp" / "checkpoints").iterdir()) == ["step-00000006", "step-00000012"]
+    # rank 0's per-step metrics reach the stage's run from the worker, through the spec's hook
+    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == list(range(1, 13))
+    assert [m.step for m in client.get_metric_history(run_id, "val/bpb")] == [6, 12]
 
 
 def test_fsdp_on_two_processes_and_its_checkpoints_resume_under_any_strategy(shards, tmp_path):

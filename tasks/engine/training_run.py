@@ -1,21 +1,30 @@
 """Running the training engine for a stage, in this process or under torchrun (DDP over gloo).
 
-A stage makes a TrainingSpec (paths, its settings, the MLflow run) and calls ``execute``. With
-``train.nproc_per_node * train.nnodes > 1`` that writes the spec as launch.json and launches
+A stage makes a TrainingSpec (paths, its settings, the MLflow run, its hooks) and calls ``execute``.
+With ``train.nproc_per_node * train.nnodes > 1`` that writes the spec as launch.json and launches
 ``cpuforge.tasks.engine.distributed`` under torchrun, and every process calls ``run_training(spec)``;
 otherwise this process does. ``spec.kind`` says what is trained: ``pretrain`` (a fresh or given
 model, LM loss) or ``recover`` (the pruned student distilled from the teacher). Rank 0 logs,
 checkpoints and writes the outputs, and the TrainingResult (result.json).
+
+The engine imports nothing of the pipeline (tests/test_layout.py). What the pipeline plugs in is
+given: the live progress as a callback to ``execute``, and, because a spec crosses into torchrun's
+workers and other machines, the per-step metric sink and the training slot as TrainingHooks, named
+by dotted path in the spec.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import importlib
 import json
 import logging
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -39,12 +48,47 @@ from cpuforge.tasks.engine.progress import ProgressFile, budget_bar
 from cpuforge.tasks.engine.rendezvous import torchrun_command
 from cpuforge.tasks.engine.step_timing import choose_precision
 from cpuforge.tasks.engine.trainer import RunFacts, TrainingResult, train
-from cpuforge.tasks.infra import live, tracking
-from cpuforge.tasks.infra.locks import training_slot
 
 log = logging.getLogger("cpuforge.training")
 
 PROGRESS_FILE = "progress.json"  # rank 0's latest progress, which the stage's process shows in Prefect
+
+OnProgress = Callable[[float, dict[str, Any]], None]  # on_progress(fraction, headline), in the launching process
+
+
+def dotted(obj: Any) -> str:
+    """``module:name`` of a module-level function or class, checked to name it back (resolve)."""
+    path = f"{obj.__module__}:{obj.__qualname__}"
+    try:
+        found = resolve(path)
+    except (ImportError, AttributeError):
+        found = None
+    if found is not obj:  # a lambda, a nested function, a name rebound since
+        raise ValueError(f"{obj!r} is not importable as {path}")
+    return path
+
+
+def resolve(path: str) -> Any:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class TrainingHooks(BaseModel):
+    """What the pipeline plugs into a training where the engine cannot be handed an object: in torchrun's
+    workers and on machines that join (launch.json). Each is a dotted path ("module:name", dotted()),
+    resolved where it is used; empty: not used (tests, benchmarks)."""
+
+    # rank 0's per-step metrics: metrics(tracking_uri, run_id) -> log(metrics, step), with .flush()
+    metrics: str = ""
+    # this machine's training slots: slot(what) -> a context manager held while deciding and training
+    slot: str = ""
+
+    @classmethod
+    def of(cls, metrics: Callable[..., Any] | None = None, slot: Callable[[str], Any] | None = None) -> TrainingHooks:
+        return cls(metrics=dotted(metrics) if metrics else "", slot=dotted(slot) if slot else "")
+
+    def training_slot(self, what: str) -> contextlib.AbstractContextManager:
+        return resolve(self.slot)(what) if self.slot else contextlib.nullcontext()
 
 
 class TrainingSpec(BaseModel):
@@ -69,6 +113,7 @@ class TrainingSpec(BaseModel):
     teacher_dir: str | None = None
     rdzv_id: str = ""  # names the rendezvous of a multi-process run
     cache_dir: str = ""  # the workdir's cache: torch.compile keeps its compiled graphs there (train.compile)
+    hooks: TrainingHooks = TrainingHooks()  # the pipeline's metric sink and training slot
 
 
 def threads_per_process(train_cfg: TrainConfig) -> int:
@@ -116,7 +161,7 @@ def step_optimizer(kind: str, train_cfg: TrainConfig, recover: RecoverConfig | N
 def training_spec(kind: Literal["pretrain", "recover"], train_cfg: TrainConfig, tokenize_dir: Path | str,
                   out_dir: Path, run_id: str | None, cache_dir: Path, tracking_uri: str = "", *,
                   model: LlamaConfig | None = None, recover: RecoverConfig | None = None,
-                  **model_dirs: Path) -> TrainingSpec:
+                  hooks: TrainingHooks = TrainingHooks(), **model_dirs: Path) -> TrainingSpec:
     """The spec of one training. The precision is decided here, once (measured A/B under
     precision=auto), and MFU's denominator is the matmul peak of that precision. Whether to
     torch.compile is decided by ``execute``, under the training slot (decide_compile)."""
@@ -131,7 +176,7 @@ def training_spec(kind: Literal["pretrain", "recover"], train_cfg: TrainConfig, 
         tokenize_dir=str(tokenize_dir), out_dir=str(out_dir), threads=threads, dtype=dtype, precision=precision,
         peak_flops=matmul_peak(threads, cache_dir, getattr(torch, dtype)),
         flops_per_token=training_flops_per_token(model_cfg, teacher_cfg), tracking_uri=tracking_uri, run_id=run_id,
-        cache_dir=str(cache_dir), **{name: str(path) for name, path in model_dirs.items()},
+        cache_dir=str(cache_dir), hooks=hooks, **{name: str(path) for name, path in model_dirs.items()},
     )
 
 
@@ -185,14 +230,15 @@ def budget_left(s: TrainConfig, spent_s: float) -> TrainConfig:
     return s.model_copy(update={"max_minutes": max(s.max_minutes - spent_s / 60, 1 / 60)})
 
 
-def execute(spec: TrainingSpec, report: live.Report = live.nothing) -> TrainingResult:
+def execute(spec: TrainingSpec, on_progress: OnProgress | None = None) -> TrainingResult:
     """Train as the spec says, here or under torchrun; returns rank 0's result. Holds one of
-    this machine's training slots meanwhile, waiting for one if they are all taken. ``report``
-    (the stage's live progress in Prefect) follows what rank 0 writes to progress.json."""
+    this machine's training slots meanwhile (spec.hooks.slot), waiting for one if they are all taken.
+    ``on_progress(fraction, headline)`` (the stage's live progress) follows what rank 0 writes to
+    progress.json."""
     out_dir = Path(spec.out_dir)
     progress = out_dir / PROGRESS_FILE
     progress.unlink(missing_ok=True)  # an interrupted attempt's: this one reports afresh
-    with training_slot(f"{spec.kind} {out_dir.name}"), live.watch_progress_file(progress, report):
+    with spec.hooks.training_slot(f"{spec.kind} {out_dir.name}"), follow_progress_file(progress, on_progress):
         if not spec.compile:  # under the slot: a probe timed beside another training would be slow, and cached
             spec = decide_compile(spec)
         if world_size(spec.train) > 1:
@@ -206,6 +252,41 @@ def execute(spec: TrainingSpec, report: live.Report = live.nothing) -> TrainingR
         result = run_training(spec)
         assert result is not None  # this process is rank 0
         return result
+
+
+@contextlib.contextmanager
+def follow_progress_file(path: Path, on_progress: OnProgress | None, every_s: float = 1.0) -> Iterator[None]:
+    """Forward what a training process writes to ``path`` (tasks/engine/progress.ProgressFile) to
+    ``on_progress`` from a thread, until the block ends. The training may run in this process or in
+    torchrun's workers, which have no context of the stage's own (Prefect's): the parent reports for them."""
+    if on_progress is None:
+        yield
+        return
+    stop = threading.Event()
+    seen = [0.0]
+
+    def forward() -> None:
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):  # not written yet (or replaced this instant): next time
+            return
+        if state.get("written", 0) > seen[0]:
+            seen[0] = state["written"]
+            on_progress(state["fraction"], state.get("headline") or {})
+
+    def loop() -> None:
+        while not stop.wait(every_s):
+            forward()
+
+    # The thread runs in a copy of this context: the callback's settings (Prefect's API URL) live in context variables.
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(loop,), name="cpuforge-live", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        forward()  # the last state the training wrote
 
 
 def _build(spec: TrainingSpec) -> tuple[torch.nn.Module, Any, TrainConfig, RunFacts]:
@@ -252,7 +333,9 @@ def run_training(spec: TrainingSpec | dict[str, Any]) -> TrainingResult | None:
     out_dir = Path(spec.out_dir)
     byte_lengths = token_byte_lengths(shards.tokenizer_path)
     val = val_batches(shards.val, t.eval_batches, t.batch_size, block)
-    logger = tracking.MetricLogger(spec.tracking_uri, spec.run_id) if rank == 0 and spec.run_id else None
+    # rank 0 sends each step's metrics to the stage's run (MLflow: tasks/infra/tracking.MetricLogger)
+    logger = resolve(spec.hooks.metrics)(spec.tracking_uri, spec.run_id) \
+        if rank == 0 and spec.run_id and spec.hooks.metrics else None
 
     quiet = contextlib.nullcontext(lambda fraction, status: None)  # only rank 0 draws progress
     progress_file = ProgressFile(out_dir / PROGRESS_FILE) if rank == 0 else None
@@ -301,9 +384,10 @@ def launch_torchrun(train_cfg: TrainConfig, spec_path: Path, rdzv_id: str) -> No
 
 
 def join(spec_path: Path) -> None:
-    """Another machine's share of a multi-machine run: the same torchrun, from the stage's launch.json."""
+    """Another machine's share of a multi-machine run: the same torchrun, from the stage's launch.json,
+    holding one of this machine's training slots (the spec's hook) meanwhile."""
     spec = TrainingSpec.model_validate_json(spec_path.read_text())
-    with training_slot(f"{spec.kind} {spec.rdzv_id} (joined)"):
+    with spec.hooks.training_slot(f"{spec.kind} {spec.rdzv_id} (joined)"):
         launch_torchrun(spec.train, spec_path, spec.rdzv_id)
 
 
