@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,7 +25,6 @@ from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batc
 from cpuforge.tasks.engine.hardware import available_cores
 from cpuforge.tasks.engine.trainer import train
 from cpuforge.tasks.engine.validation import evaluate
-from cpuforge.tasks.engine.training_run import settings
 
 
 def main() -> None:
@@ -54,7 +52,7 @@ def main() -> None:
     torch.set_num_threads(available_cores())
     torch.manual_seed(cfg.train.seed)
     scratch = Llama(recovered.cfg)
-    s = replace(settings(cfg.train, torch.float32, 0.0), max_minutes=None, max_steps=None, max_tokens=scratch_tokens)
+    s = cfg.train.model_copy(update={"max_minutes": None, "max_steps": None, "max_tokens": scratch_tokens})
     workdir = Path(args.workdir or Path(summary["workdir"]) / ("bench-scratch-sunk" if args.sunk_teacher else "bench-scratch"))
     print(f"student: {param_count(recovered):,} params; teacher: {param_count(teacher):,}")
     counted = "recovery only (teacher sunk)" if args.sunk_teacher else f"teacher pretraining {pre_tokens:,} tokens + recovery"

@@ -17,7 +17,6 @@ import argparse
 import json
 import shutil
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ from cpuforge.tasks.engine.hardware import available_cores
 from cpuforge.tasks.engine.losses import distillation_loss
 from cpuforge.tasks.engine.trainer import train
 from cpuforge.tasks.engine.validation import evaluate
-from cpuforge.tasks.engine.training_run import recover_settings
+from cpuforge.tasks.engine.training_run import recover_train_config
 from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.stages.prune import prune_stage
 
@@ -54,8 +53,9 @@ def main() -> None:
     val = val_batches(shards.val, cfg.train.eval_batches, cfg.train.batch_size, teacher.cfg.block_size)
     torch.set_num_threads(available_cores())
     r = cfg.recover
-    s = replace(recover_settings(cfg.train, r, torch.float32, 0.0), max_steps=args.recover_steps, max_minutes=None,
-                max_tokens=None, eval_interval=10**9, checkpoint_every_steps=10**9, checkpoint_every_minutes=10**9)
+    s = recover_train_config(cfg.train, r).model_copy(update={
+        "max_steps": args.recover_steps, "max_minutes": None, "max_tokens": None, "eval_interval": 10**9,
+        "checkpoint_every_steps": 10**9, "checkpoint_every_minutes": 10**9})
     print(f"teacher {param_count(teacher):,} params, {teacher.cfg.d_model}/{teacher.cfg.d_mlp} x {teacher.cfg.n_layer}; "
           f"val bpb {evaluate(teacher, val, lengths)[1]:.4f}; recover {args.recover_steps} steps of "
           f"{s.batch_size}x{teacher.cfg.block_size}")

@@ -42,7 +42,6 @@ import json
 import math
 import shutil
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -52,8 +51,7 @@ from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import BatchSampler, open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.step_timing import choose_precision
 from cpuforge.tasks.engine.losses import lm_loss
-from cpuforge.tasks.engine.trainer import make_optimizer, train
-from cpuforge.tasks.engine.training_run import settings
+from cpuforge.tasks.engine.trainer import RunFacts, make_optimizer, train
 from cpuforge.tasks.stages.tokenize import tokenize
 
 # The recipe before this A/B (AdamW, warmup 30 + cosine to lr/10, default init), pinned so the
@@ -131,7 +129,7 @@ def build(cfg, vocab: int, dtype: torch.dtype) -> tuple[Llama, torch.optim.Optim
     model = Llama(cfg.model.shape(vocab))
     if cfg.train.zero_init_residual:
         zero_residual_projections(model)
-    return model, make_optimizer(model, settings(cfg.train, dtype, 0.0))
+    return model, make_optimizer(model, cfg.train, dtype)
 
 
 def step_class(extra: list[str]) -> str:
@@ -180,10 +178,10 @@ def train_arm(arm: str, extra: list[str], steps: int, shards, val, lengths, dtyp
     """Train one arm for exactly `steps` optimizer steps from its seed; its val bits per byte."""
     cfg = arm_config(arm, extra)
     model, _ = build(cfg, shards.vocab_size, dtype)
-    s = replace(settings(cfg.train, dtype, 0.0), max_steps=steps, max_minutes=None,
-                eval_interval=10**9, checkpoint_every_steps=10**9, checkpoint_every_minutes=10**9)
+    s = cfg.train.model_copy(update={"max_steps": steps, "max_minutes": None, "eval_interval": 10**9,
+                                     "checkpoint_every_steps": 10**9, "checkpoint_every_minutes": 10**9})
     shutil.rmtree(ckpt, ignore_errors=True)  # a fresh run each time, not a resume of the last one
-    return train(model, shards.train, val, lengths, s, ckpt).val_bpb
+    return train(model, shards.train, val, lengths, s, ckpt, RunFacts(dtype)).val_bpb
 
 
 def main() -> None:

@@ -23,7 +23,6 @@ import argparse
 import json
 import shutil
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,9 +31,9 @@ from cpuforge.models.checkpoint import load_model
 from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.losses import distillation_loss
-from cpuforge.tasks.engine.trainer import train
+from cpuforge.tasks.engine.trainer import RunFacts, train
 from cpuforge.tasks.engine.validation import evaluate
-from cpuforge.tasks.engine.training_run import recover_settings, threads_per_process
+from cpuforge.tasks.engine.training_run import recover_train_config, threads_per_process
 
 
 def main() -> None:
@@ -72,21 +71,22 @@ def main() -> None:
     table = []
     for arm in args.arms:
         r = load_config(config_file=run_config, overrides=[f"recover.{o}" for o in arm.split()]).recover
-        s = replace(recover_settings(train_cfg, r, dtype, 0.0), max_steps=steps, max_tokens=None, max_minutes=None,
-                    eval_interval=10**9, checkpoint_every_steps=10**9, checkpoint_every_minutes=10**9)
+        s = recover_train_config(train_cfg, r).model_copy(update={
+            "max_steps": steps, "max_tokens": None, "max_minutes": None, "eval_interval": 10**9,
+            "checkpoint_every_steps": 10**9, "checkpoint_every_minutes": 10**9})
         torch.manual_seed(train_cfg.seed)
         student = load_model(student_dir)
         ckpt = Path(args.workdir) / (arm.replace(" ", "_") or "as-run")
         shutil.rmtree(ckpt, ignore_errors=True)  # a fresh run, not a resume of the last one
         started = time.perf_counter()
-        train(student, shards.train, val, lengths, s, ckpt,
+        train(student, shards.train, val, lengths, s, ckpt, RunFacts(dtype),
               loss_fn=distillation_loss(teacher, r.temperature, r.kd_weight, r.lm_weight))
         _, bpb = evaluate(student, val, lengths)  # fp32, like the teacher's figure
         gap = bpb / teacher_bpb - 1
         print(f"  {arm or '(as the run)':<36} val bpb {bpb:.4f}  {100 * gap:+6.2f}% vs teacher"
               f"  ({time.perf_counter() - started:.0f} s)", flush=True)
         table.append({"arm": arm, "lr": r.lr, "temperature": r.temperature, "kd_weight": r.kd_weight,
-                      "lm_weight": r.lm_weight, "optimizer": s.optimizer, "muon_lr": r.muon_lr, "steps": steps,
+                      "lm_weight": r.lm_weight, "optimizer": s.optimizer_in_use(), "muon_lr": r.muon_lr, "steps": steps,
                       "seconds": round(time.perf_counter() - started, 1), "val_bpb": round(bpb, 4),
                       "vs_teacher": round(gap, 4)})
     if args.json:

@@ -35,9 +35,8 @@ from cpuforge.models.llama import Llama, config_param_count
 from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.sizing import measure_shapes, training_dtype
-from cpuforge.tasks.engine.trainer import train
+from cpuforge.tasks.engine.trainer import RunFacts, train
 from cpuforge.tasks.engine.validation import evaluate
-from cpuforge.tasks.engine.training_run import settings
 from cpuforge.tasks.stages.tokenize import tokenize
 
 
@@ -90,12 +89,13 @@ def main() -> None:
         rows = []
         for i, (shape, rate) in enumerate(zip(shapes, rates)):
             budget = int(args.minutes * 60 * rate)
-            s = replace(settings(cfg.train, dtype, 0.0), max_minutes=None, max_steps=None, max_tokens=budget,
-                        eval_interval=10**9, checkpoint_every_steps=10**9, checkpoint_every_minutes=10**6)
+            s = cfg.train.model_copy(update={"max_minutes": None, "max_steps": None, "max_tokens": budget,
+                                             "eval_interval": 10**9, "checkpoint_every_steps": 10**9,
+                                             "checkpoint_every_minutes": 10**6})
             torch.manual_seed(cfg.train.seed)
             model = Llama(shape)
             t0 = time.perf_counter()
-            result = train(model, shards.train, val[:1], lengths, s, root / f"ckpt{i}")
+            result = train(model, shards.train, val[:1], lengths, s, root / f"ckpt{i}", RunFacts(dtype))
             _, bpb = evaluate(model, val, lengths, dtype)
             params = config_param_count(shape)
             rows.append({"d_model": shape.d_model, "n_layer": shape.n_layer, "n_head": shape.n_head,

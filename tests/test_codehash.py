@@ -60,8 +60,8 @@ def rekeyed_by(project: Path, unedited: dict[str, str], file: str, old: str, new
 SETTINGS = "tasks/config/settings.py"
 EDITS = {
     # the trainer: the training stages, nothing else
-    "trainer": ("tasks/engine/trainer.py", "def lr_at(step: int, s: TrainSettings, horizon: int) -> float:\n",
-                "def lr_at(step: int, s: TrainSettings, horizon: int) -> float:\n    step = max(step, 0)\n",
+    "trainer": ("tasks/engine/trainer.py", "def lr_at(step: int, s: TrainConfig, horizon: int) -> float:\n",
+                "def lr_at(step: int, s: TrainConfig, horizon: int) -> float:\n    step = max(step, 0)\n",
                 TRAINING),
     # a help text, in a section tokenize reads: nothing
     "help text": (SETTINGS, 'description="Column holding the text in structured files and hub datasets."',

@@ -61,6 +61,17 @@ def test_infrastructure_and_engine_import_no_stage():
             assert not any(t.startswith("cpuforge.tasks.engine.") for t in targets), module
 
 
+def test_the_engine_imports_nothing_of_the_pipeline():
+    """The training and measuring engine is handed what the pipeline plugs in (callbacks, TrainingHooks by
+    dotted path): it imports neither its infrastructure, nor a stage, nor the release side, nor the flows."""
+    pipeline = ("cpuforge.tasks.infra", "cpuforge.tasks.stages", "cpuforge.tasks.release", "cpuforge.flows")
+    modules = [m for m in graph() if m.startswith("cpuforge.tasks.engine.")]
+    assert "cpuforge.tasks.engine.training_run" in modules
+    for module in modules:
+        used = {t for t in _imports(module) if any(t == p or t.startswith(p + ".") for p in pipeline)}
+        assert not used, (module, used)
+
+
 def test_the_stages_folder_holds_the_registered_stages_and_nothing_else():
     """tasks/stages/ is the pipeline: its __init__ is the registry, and every other module in it is
     a registered stage named as in the registry (and every registered stage is there)."""

@@ -12,7 +12,7 @@ from prefect.context import TaskRunContext
 
 from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards
-from cpuforge.tasks.engine.training_run import PROGRESS_FILE, TrainingSpec, execute
+from cpuforge.tasks.engine.training_run import PROGRESS_FILE, TrainingSpec, execute, follow_progress_file
 from cpuforge.tasks.infra import live
 from cpuforge.tasks.infra.publish import finish_stage
 from cpuforge.tasks.infra.stage import StageContext
@@ -88,7 +88,7 @@ def test_training_progress_grows_in_prefect_while_it_trains(shards, tmp_path, pr
 def test_outside_a_prefect_run_reporting_does_nothing(tmp_path):
     with live.live_stage("tokenize") as report:
         report(0.5, {"chars/s": 1000.0})
-    with live.watch_progress_file(tmp_path / "nothing.json", report):
+    with follow_progress_file(tmp_path / "nothing.json", None):  # nothing to forward to: no thread
         pass
 
 

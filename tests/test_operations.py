@@ -95,6 +95,39 @@ def test_two_trainings_on_one_machine_run_one_after_the_other(caplog):
     assert "waiting" in caplog.text and "a training slot on this machine, held by pretrain" in caplog.text
 
 
+def test_the_training_stages_hooks_are_the_machines_slot_and_the_mlflow_metric_logger():
+    """The engine imports nothing of the pipeline: the training stages name their slot and metric sink by
+    dotted path (TrainingHooks), which crosses into torchrun workers and joining machines in launch.json."""
+    import pytest
+
+    from cpuforge.tasks.engine.training_run import TrainingHooks, dotted, resolve
+    from cpuforge.tasks.stages import pretrain, recover
+
+    assert pretrain.HOOKS == recover.HOOKS
+    hooks = TrainingHooks.model_validate_json(pretrain.HOOKS.model_dump_json())  # as a joining machine reads it
+    assert resolve(hooks.metrics) is tracking.MetricLogger and resolve(hooks.slot) is training_slot
+    with pytest.raises(ValueError, match="not importable"):
+        dotted(lambda what: None)
+    assert type(TrainingHooks().training_slot("no slot named")).__name__ == "nullcontext"
+
+    spans: list[tuple[float, float]] = []
+
+    def hold(slot) -> None:
+        with slot:
+            start = time.monotonic()
+            time.sleep(0.5)
+            spans.append((start, time.monotonic()))
+
+    threads = [threading.Thread(target=hold, args=(slot,))
+               for slot in (training_slot("pretrain here"), hooks.training_slot("pretrain x (joined)"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (_, a_end), (b_start, _) = sorted(spans)
+    assert b_start >= a_end - 0.05, f"the hook's slot is not this machine's: {spans}"
+
+
 def test_a_training_killed_with_sigkill_frees_its_slot_at_once(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import sys, time

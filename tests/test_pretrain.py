@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,7 @@ from cpuforge.tasks.engine.allocator import keep_freed_memory
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, unigram_bpb
 from cpuforge.tasks.engine.hardware import peak_rss_mb
 from cpuforge.tasks.engine.trainer import lr_at
-from cpuforge.tasks.engine.training_run import TrainingSpec, launch_torchrun, run_training, settings
+from cpuforge.tasks.engine.training_run import TrainingSpec, launch_torchrun, run_training
 from cpuforge.tasks.records.errors import DataError, UserError
 from cpuforge.tasks.stages.pretrain import _check_resumable
 from cpuforge.tasks.stages.tokenize import tokenize
@@ -123,9 +122,42 @@ def test_sigkill_then_rerun_ends_with_bitwise_identical_weights(shards, tmp_path
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # bitwise, not approximately
 
 
+def test_recovery_trains_under_the_train_section_with_its_own_overrides():
+    from cpuforge.tasks.engine.training_run import budget_left, recover_train_config
+
+    cfg = load_config("tiny", overrides=["train.warmup_steps=30", "train.lr_schedule=wsd", "train.optimizer=muon",
+                                         "recover.lr=4e-4", "recover.optimizer=adamw", "recover.muon_lr=3e-3",
+                                         "recover.max_steps=7", "recover.max_minutes=null"])
+    t, r = cfg.train, cfg.recover
+    recover = recover_train_config(t, r)
+    assert type(recover) is type(t)  # one settings type: the train section, never a copy of its fields
+    overridden = {"lr": 4e-4, "min_lr": 4e-4 / 10, "optimizer": "adamw", "muon_lr": 3e-3, "lr_schedule": "cosine",
+                  "warmup_steps": 10, "max_tokens": r.max_tokens, "max_steps": 7, "max_minutes": None,
+                  "seed": t.seed + 1}
+    assert {k: getattr(recover, k) for k in overridden} == overridden
+    assert recover.model_dump(exclude=set(overridden)) == t.model_dump(exclude=set(overridden))
+    assert recover_train_config(t.model_copy(update={"warmup_steps": 4}), r).warmup_steps == 4
+    assert t.lr_schedule == "wsd" and t.seed == 1337  # the stage's own section is left as it was
+    assert budget_left(t.model_copy(update={"max_minutes": 2.0}), 30).max_minutes == 1.5
+    assert budget_left(t, 0) is t
+
+
+def test_result_json_keeps_its_keys_and_older_files_load(shards, tmp_path):
+    from cpuforge.tasks.engine.training_run import TrainingResult
+
+    run_training(spec_for(shards, tmp_path / "run", "train.max_steps=2"))
+    written = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert list(written) == ["steps", "tokens", "seconds", "tokens_per_s", "mfu", "val_loss", "val_bpb",
+                             "peak_rss_mb", "resumed_from", "compile"]  # the history is history.jsonl's
+    older = {k: v for k, v in written.items() if k not in ("compile", "resumed_from")}
+    assert TrainingResult.model_validate_json(json.dumps(older)).compile == {}
+    history = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [1, 2] and isinstance(history[0]["step"], int)
+
+
 def test_wsd_schedule_warms_up_holds_the_peak_then_decays_linearly_to_min_lr():
-    s = replace(settings(load_config("tiny").train, torch.float32, 0.0), lr=1.0, min_lr=0.1, warmup_steps=10,
-                lr_schedule="wsd", cooldown_fraction=0.4)
+    s = load_config("tiny").train.model_copy(update={"lr": 1.0, "min_lr": 0.1, "warmup_steps": 10,
+                                                     "lr_schedule": "wsd", "cooldown_fraction": 0.4})
     lrs = [lr_at(step, s, horizon=100) for step in range(100)]
     assert lrs[0] == 0.1 and lrs[9] == 1.0
     assert all(lr == 1.0 for lr in lrs[10:60])
@@ -181,8 +213,17 @@ def test_a_run_resumes_under_the_optimizer_that_wrote_its_checkpoint(shards, tmp
 
 
 def test_two_processes_with_ddp_over_gloo(shards, tmp_path):
+    from mlflow import MlflowClient
+
+    from cpuforge.tasks.engine.training_run import TrainingHooks
+    from cpuforge.tasks.infra.tracking import MetricLogger
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("ddp")).info.run_id
     spec = spec_for(shards, tmp_path / "ddp", "train.max_steps=12", "train.nproc_per_node=2",
-                    "train.eval_interval=6", "train.checkpoint_every_steps=6")
+                    "train.eval_interval=6", "train.checkpoint_every_steps=6").model_copy(
+        update={"tracking_uri": uri, "run_id": run_id, "hooks": TrainingHooks.of(metrics=MetricLogger)})
     spec_path = tmp_path / "ddp" / "launch.json"
     spec_path.write_text(spec.model_dump_json())
     launch_torchrun(spec.train, spec_path, "k" * 16)
@@ -192,6 +233,9 @@ def test_two_processes_with_ddp_over_gloo(shards, tmp_path):
     history = [json.loads(line) for line in (tmp_path / "ddp" / "history.jsonl").read_text().splitlines()]
     assert history[-1]["loss"] < history[0]["loss"]
     assert sorted(p.name for p in (tmp_path / "ddp" / "checkpoints").iterdir()) == ["step-00000006", "step-00000012"]
+    # rank 0's per-step metrics reach the stage's run from the worker, through the spec's hook
+    assert [m.step for m in client.get_metric_history(run_id, "train/loss")] == list(range(1, 13))
+    assert [m.step for m in client.get_metric_history(run_id, "val/bpb")] == [6, 12]
 
 
 def test_fsdp_on_two_processes_and_its_checkpoints_resume_under_any_strategy(shards, tmp_path):
@@ -413,11 +457,11 @@ def test_newton_schulz_stays_fp32_where_bf16_is_emulated(monkeypatch):
 
     monkeypatch.setattr(hardware, "has_native_bf16", lambda: False)
     assert newton_schulz_dtype(torch.bfloat16) == torch.float32
-    bf16_run = settings(load_config("tiny", overrides=["train.optimizer=muon"]).train, torch.bfloat16, 0.0)
-    assert make_optimizer(Llama(SMALL), bf16_run).ns_dtype == torch.float32  # a forced bf16 on AVX2
+    muon = load_config("tiny", overrides=["train.optimizer=muon"]).train
+    assert make_optimizer(Llama(SMALL), muon, torch.bfloat16).ns_dtype == torch.float32  # a forced bf16 on AVX2
     monkeypatch.setattr(hardware, "has_native_bf16", lambda: True)
     assert newton_schulz_dtype(torch.float32) == torch.float32
-    assert make_optimizer(Llama(SMALL), bf16_run).ns_dtype == torch.bfloat16
+    assert make_optimizer(Llama(SMALL), muon, torch.bfloat16).ns_dtype == torch.bfloat16
 
 
 def test_recover_mfu_counts_the_teachers_forward_passes(shards, tmp_path):
@@ -435,13 +479,13 @@ def test_recover_mfu_counts_the_teachers_forward_passes(shards, tmp_path):
     spec = spec_for(shards, tmp_path / "out", "train.max_steps=2", "recover.max_steps=2").model_copy(
         update={"kind": "recover", "model": None, "student_dir": str(tmp_path / "student"),
                 "teacher_dir": str(tmp_path / "teacher")})
-    model, loss_fn, settings = _build(spec)
+    model, loss_fn, settings, facts = _build(spec)
     expected = flops_per_token(student_cfg) + flops_per_token(teacher_cfg) / 3
-    assert settings.flops_per_token == pytest.approx(expected)
+    assert facts.flops_per_token == pytest.approx(expected)
     assert flops_per_token(teacher_cfg, backward=False) == pytest.approx(flops_per_token(teacher_cfg) / 3)
     result = train(model, s.train, val_batches(s.val, 1, 8, 64), token_byte_lengths(s.tokenizer_path), settings,
-                   tmp_path / "ck", loss_fn=loss_fn)
-    assert result.mfu == pytest.approx(result.tokens_per_s * expected / settings.peak_flops)
+                   tmp_path / "ck", facts, loss_fn=loss_fn)
+    assert result.mfu == pytest.approx(result.tokens_per_s * expected / facts.peak_flops)
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
@@ -465,9 +509,9 @@ def test_recover_trains_with_recover_optimizer(shards, tmp_path, optimizer):
         update={"kind": "recover", "model": None, "student_dir": str(tmp_path / "student"),
                 "teacher_dir": str(tmp_path / "teacher")})
     assert step_optimizer("recover", spec.train, spec.recover) == optimizer  # what the precision A/B times
-    model, loss_fn, settings = _build(spec)
+    model, loss_fn, settings, facts = _build(spec)
     train(model, s.train, val_batches(s.val, 1, 8, 64), token_byte_lengths(s.tokenizer_path), settings,
-          tmp_path / "ck", loss_fn=loss_fn)
+          tmp_path / "ck", facts, loss_fn=loss_fn)
     state = torch.load(next((tmp_path / "ck").glob("step-*/trainer.pt")), weights_only=True)
     assert state["optimizer"] == optimizer
     opt = make_optimizer(model, settings)

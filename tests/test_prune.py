@@ -122,9 +122,7 @@ def test_importance_beats_random_pruning_on_val_loss(shards, tmp_path):  # noqa:
     model = Llama(cfg.model.shape(s.vocab_size))
     lengths = token_byte_lengths(s.tokenizer_path)
     val = val_batches(s.val, 4, 8, 64)
-    from cpuforge.tasks.engine.training_run import settings
-
-    train(model, s.train, val, lengths, settings(cfg.train, torch.float32, 0.0), tmp_path / "checkpoints")
+    train(model, s.train, val, lengths, cfg.train, tmp_path / "checkpoints")
     target = replace(model.cfg, d_mlp=88, d_model=48, head_dim_override=model.cfg.head_dim)
     imp = activation_importance(model, calibration_batches(s.train, cfg.prune, 64))
     smart_loss, _ = evaluate(prune(model, choose_keep(model.cfg, imp, target)), val, lengths)

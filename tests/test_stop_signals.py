@@ -16,9 +16,10 @@ import torch
 
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import Llama
+from cpuforge.tasks.config.settings import TrainConfig
 from cpuforge.tasks.engine.losses import lm_loss
 from cpuforge.tasks.engine.stop_signals import StopSignals
-from cpuforge.tasks.engine.trainer import TrainSettings, train
+from cpuforge.tasks.engine.trainer import train
 
 TINY = LlamaConfig(vocab_size=64, n_layer=1, n_head=1, n_kv_head=1, d_model=16, d_mlp=32, block_size=8)
 
@@ -53,9 +54,10 @@ def test_training_stops_after_the_step_in_which_a_sigterm_was_swallowed(tmp_path
         return lm_loss(model, x, y)
 
     data = np.random.default_rng(0).integers(0, TINY.vocab_size, 4096).astype(np.uint16)
-    settings = TrainSettings(batch_size=2, grad_accum=1, lr=1e-3, min_lr=1e-4, warmup_steps=1, weight_decay=0.0,
-                             betas=(0.9, 0.95), grad_clip=1.0, max_tokens=None, max_steps=1000, max_minutes=None,
-                             eval_interval=1000, checkpoint_every_steps=1, checkpoint_every_minutes=60.0, seed=0)
+    settings = TrainConfig(batch_size=2, grad_accum=1, lr=1e-3, min_lr=1e-4, warmup_steps=1, weight_decay=0.0,
+                           betas=(0.9, 0.95), grad_clip=1.0, max_tokens=None, max_steps=1000, max_minutes=None,
+                           eval_interval=1000, checkpoint_every_steps=1, checkpoint_every_minutes=60.0, seed=0,
+                           optimizer="adamw", lr_schedule="cosine")
     val = [(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))]
     with pytest.raises(Stopped):
         train(Llama(TINY), data, val, np.ones(TINY.vocab_size), settings, tmp_path / "ckpt",

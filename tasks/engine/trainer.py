@@ -17,12 +17,14 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from pydantic import BaseModel, Field
 
 from cpuforge.models.checkpoint import (
     latest_valid_checkpoint,
@@ -31,6 +33,7 @@ from cpuforge.models.checkpoint import (
     save_training_checkpoint,
 )
 from cpuforge.models.llama import Llama, flops_per_token
+from cpuforge.tasks.config.settings import TrainConfig
 from cpuforge.tasks.engine import sharding
 from cpuforge.tasks.engine.allocator import keep_freed_memory, release_free_memory
 from cpuforge.tasks.engine.data import BatchSampler
@@ -47,37 +50,22 @@ HORIZON_PROBE_STEPS = 3  # steps timed to turn a wall-clock budget into a step h
 LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], "torch.Tensor | tuple[torch.Tensor, dict[str, float]]"]
 
 
-@dataclass
-class TrainSettings:
-    batch_size: int
-    grad_accum: int
-    lr: float
-    min_lr: float
-    warmup_steps: int
-    weight_decay: float
-    betas: tuple[float, float]
-    grad_clip: float
-    max_tokens: int | None
-    max_steps: int | None
-    max_minutes: float | None
-    eval_interval: int
-    checkpoint_every_steps: int
-    checkpoint_every_minutes: float
-    seed: int
-    dtype: torch.dtype = torch.float32
+@dataclass(frozen=True)
+class RunFacts:
+    """What a training decided or measured before it started, as opposed to what was configured (the
+    TrainConfig beside it): the trainer takes both, and no copy of the config's fields."""
+
+    dtype: torch.dtype = torch.float32  # the step's precision (the precision decision)
     peak_flops: float = 0.0  # measured matmul FLOP/s per process in the step's dtype, for MFU
     # FLOPs per trained token, for MFU; 0 means the model's own forward + backward. Distillation
     # adds its teacher's forward passes, which the step computes too.
     flops_per_token: float = 0.0
-    strategy: str = "ddp"  # with several processes: "ddp" (replicas) or "fsdp" (shards), see tasks/engine/sharding.py
-    optimizer: str = "adamw"  # "adamw", or "muon" (hidden matrices; AdamW for the rest)
-    muon_lr: float = 0.0  # Muon's peak learning rate (AdamW scale); its schedule follows lr's
-    lr_schedule: str = "cosine"  # "cosine" or "wsd" (warmup, stable, linear decay)
-    cooldown_fraction: float = 0.0  # wsd: share of the horizon spent decaying to min_lr
 
 
-@dataclass
-class TrainResult:
+class TrainingResult(BaseModel):
+    """A finished training: what train() returns, and rank 0's result.json (an interface: extend, never
+    rename; older files load). The per-step history is history.jsonl, never result.json."""
+
     steps: int
     tokens: int
     seconds: float
@@ -86,8 +74,9 @@ class TrainResult:
     val_loss: float
     val_bpb: float
     peak_rss_mb: float
-    resumed_from: int | None
-    history: list[dict[str, float]] = field(default_factory=list)
+    resumed_from: int | None = None
+    compile: dict[str, Any] = {}  # the torch.compile decision it trained under (training_run: compile_params, compile_metrics)
+    history: list[dict[str, Any]] = Field(default_factory=list, exclude=True)  # written as history.jsonl
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, world: int = 1) -> float:
@@ -95,7 +84,7 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, world: i
     return tokens_per_s * flops_per_token / (peak_flops * world) if peak_flops else 0.0
 
 
-def lr_at(step: int, s: TrainSettings, horizon: int) -> float:
+def lr_at(step: int, s: TrainConfig, horizon: int) -> float:
     if step < s.warmup_steps:
         return s.lr * (step + 1) / s.warmup_steps
     if s.lr_schedule == "wsd":  # hold the peak, then decay linearly over the last cooldown_fraction
@@ -108,8 +97,10 @@ def lr_at(step: int, s: TrainSettings, horizon: int) -> float:
     return s.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (s.lr - s.min_lr)
 
 
-def make_optimizer(model: torch.nn.Module, s: TrainSettings) -> torch.optim.Optimizer:
-    return build_optimizer(model, s.optimizer, s.lr, s.muon_lr, s.weight_decay, s.betas, newton_schulz_dtype(s.dtype))
+def make_optimizer(model: torch.nn.Module, s: TrainConfig, dtype: torch.dtype = torch.float32) -> torch.optim.Optimizer:
+    """The training's optimizer (Newton-Schulz in the step's dtype where the CPU has it natively)."""
+    return build_optimizer(model, s.optimizer_in_use(), s.lr, s.muon_lr, s.weight_decay, s.betas,
+                           newton_schulz_dtype(dtype))
 
 
 def _broadcast_int(value: int | None) -> int | None:
@@ -130,17 +121,19 @@ def train(
     train_data: np.memmap,
     val: list[tuple[torch.Tensor, torch.Tensor]],
     byte_lengths: np.ndarray,
-    s: TrainSettings,
+    s: TrainConfig,
     checkpoint_dir: Path,
+    facts: RunFacts = RunFacts(),
     loss_fn: LossFn = lm_loss,
     log_metrics: Callable[[dict[str, float], int], None] | None = None,
     on_progress: Callable[[float, str], None] | None = None,
-) -> TrainResult:
-    """Train until the budget is spent, resuming from the last checkpoint in checkpoint_dir if any."""
+) -> TrainingResult:
+    """Train as ``s`` says (the validated train section; recovery's is made from it, training_run.py) until
+    the budget is spent, resuming from the last checkpoint in checkpoint_dir if any."""
     keep_freed_memory()  # each step reuses what the last one freed instead of faulting it in again
     release_free_memory()  # not what earlier work in this process freed (model sizing's big shapes)
     reset_peak_rss()  # the history's and the result's peak_rss_mb: this training's, not the process's
-    run = _Training(model, train_data, val, byte_lengths, s, checkpoint_dir, loss_fn)
+    run = _Training(model, train_data, val, byte_lengths, s, facts, checkpoint_dir, loss_fn)
     run.resume()
     run.shard()
     final = run.out_of_budget()  # resumed from the last checkpoint: nothing left to do
@@ -165,8 +158,9 @@ class _Training:
     probe the horizon, evaluate, report, checkpoint, finish."""
 
     def __init__(self, model: Llama, train_data: np.memmap, val: list[tuple[torch.Tensor, torch.Tensor]],
-                 byte_lengths: np.ndarray, s: TrainSettings, checkpoint_dir: Path, loss_fn: LossFn) -> None:
-        self.model, self.val, self.byte_lengths, self.s = model, val, byte_lengths, s
+                 byte_lengths: np.ndarray, s: TrainConfig, facts: RunFacts, checkpoint_dir: Path,
+                 loss_fn: LossFn) -> None:
+        self.model, self.val, self.byte_lengths, self.s, self.facts = model, val, byte_lengths, s, facts
         self.checkpoint_dir, self.loss_fn = checkpoint_dir, loss_fn
         self.rank, self.world = _world()
         self.is_main = self.rank == 0
@@ -177,7 +171,7 @@ class _Training:
         self.history: list[dict[str, float]] = []
         self.resumed_from: int | None = None
         self.val_loss = self.val_bpb = float("nan")
-        self.flops_per_token = s.flops_per_token or flops_per_token(model.cfg)
+        self.flops_per_token = facts.flops_per_token or flops_per_token(model.cfg)
         # Steps the token/step budgets allow (none: effectively unlimited, the clock decides).
         limits = [s.max_steps or 10**9]
         if s.max_tokens:
@@ -212,15 +206,15 @@ class _Training:
     def _keep_checkpoint_optimizer(self, written_by: str) -> None:
         """A run resumes under the optimizer that wrote its checkpoint: its state is that optimizer's, and
         train.optimizer=auto can name another after a change of strategy (fsdp -> ddp)."""
-        if written_by == self.s.optimizer:
+        if written_by == self.s.optimizer_in_use():
             return
         if written_by == "muon" and self.world > 1 and self.s.strategy == "fsdp":
             raise ValueError(f"{self.found} was written by Muon, which cannot run with train.strategy=fsdp on "
                              "several processes: resume it with train.strategy=ddp")
         if self.is_main:
             log.warning("%s was written by %s: resuming with %s, not %s", self.found.name, written_by, written_by,
-                        self.s.optimizer)
-        self.s = replace(self.s, optimizer=written_by)
+                        self.s.optimizer_in_use())
+        self.s = self.s.model_copy(update={"optimizer": written_by})
 
     def shard(self) -> None:
         """Lay the model out over the processes (DDP replicas or FSDP shards) and make its optimizer."""
@@ -231,7 +225,7 @@ class _Training:
         elif self.world > 1:
             # rope caches are equal everywhere: no buffers to sync
             self.net = torch.nn.parallel.DistributedDataParallel(model, forward_sync_buffers=False)
-        self.optimizer = make_optimizer(model, s)
+        self.optimizer = make_optimizer(model, s, self.facts.dtype)
         if self.found is not None and sharding.is_sharded_checkpoint(self.found):
             sharding.load_sharded_checkpoint(model, self.optimizer, self.found)
         elif self.opt_state is not None:
@@ -265,7 +259,7 @@ class _Training:
         for micro in range(s.grad_accum):
             x, y = self.sampler.batch(self.step_count, micro)
             sync = self.world == 1 or micro == s.grad_accum - 1
-            with sharding.gradient_sync(self.net, sync), autocast(s.dtype):
+            with sharding.gradient_sync(self.net, sync), autocast(self.facts.dtype):
                 out = self.loss_fn(self.net, x, y)
                 loss, named = out if isinstance(out, tuple) else (out, {})
                 loss = loss / s.grad_accum
@@ -312,7 +306,7 @@ class _Training:
 
     def evaluate(self, record: dict[str, float], due: bool) -> None:
         if due:
-            self.val_loss, self.val_bpb = evaluate(self.model, self.val, self.byte_lengths, self.s.dtype)
+            self.val_loss, self.val_bpb = evaluate(self.model, self.val, self.byte_lengths, self.facts.dtype)
             record.update(val_loss=self.val_loss, val_bpb=self.val_bpb)
 
     def report(self, record: dict[str, float], log_metrics: Callable[[dict[str, float], int], None] | None,
@@ -345,7 +339,7 @@ class _Training:
                 log.info("wall-clock budget of %.1f min -> %s schedule's horizon fixed at %d steps", s.max_minutes,
                          s.lr_schedule, self.horizon)
         state = {"step": step, "tokens": self.tokens, "elapsed": self.elapsed(), "horizon": self.horizon,
-                 "history": self.history, "torch_rng": torch.get_rng_state(), "optimizer": self.s.optimizer}
+                 "history": self.history, "torch_rng": torch.get_rng_state(), "optimizer": self.s.optimizer_in_use()}
         if sharding.is_sharded(self.model):  # every rank writes its own shards
             sharding.save_sharded_checkpoint(self.checkpoint_dir, step, self.model, self.optimizer, state)
         elif self.is_main:
@@ -354,16 +348,16 @@ class _Training:
         self.last_checkpoint = time.perf_counter()
 
     def mfu(self, tokens_per_s: float) -> float:
-        return mfu(tokens_per_s, self.flops_per_token, self.s.peak_flops, self.world)
+        return mfu(tokens_per_s, self.flops_per_token, self.facts.peak_flops, self.world)
 
-    def finish(self) -> TrainResult:
+    def finish(self) -> TrainingResult:
         if self.world > 1:
             dist.barrier()
         if math.isnan(self.val_loss):  # resumed at the very end: nothing left to train, still report quality
-            self.val_loss, self.val_bpb = evaluate(self.model, self.val, self.byte_lengths, self.s.dtype)
+            self.val_loss, self.val_bpb = evaluate(self.model, self.val, self.byte_lengths, self.facts.dtype)
         steady = [h["tokens_per_s"] for h in self.history[1:]] or [h["tokens_per_s"] for h in self.history]
         tok_s = float(np.median(steady)) if steady else 0.0
-        return TrainResult(
+        return TrainingResult(
             steps=self.step_count, tokens=self.tokens, seconds=self.elapsed(), tokens_per_s=tok_s, mfu=self.mfu(tok_s),
             val_loss=self.val_loss, val_bpb=self.val_bpb, peak_rss_mb=peak_rss_mb(), resumed_from=self.resumed_from,
             history=self.history,

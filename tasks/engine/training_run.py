@@ -1,22 +1,31 @@
 """Running the training engine for a stage, in this process or under torchrun (DDP over gloo).
 
-A stage makes a TrainingSpec (paths, its settings, the MLflow run) and calls ``execute``. With
-``train.nproc_per_node * train.nnodes > 1`` that writes the spec as launch.json and launches
+A stage makes a TrainingSpec (paths, its settings, the MLflow run, its hooks) and calls ``execute``.
+With ``train.nproc_per_node * train.nnodes > 1`` that writes the spec as launch.json and launches
 ``cpuforge.tasks.engine.distributed`` under torchrun, and every process calls ``run_training(spec)``;
 otherwise this process does. ``spec.kind`` says what is trained: ``pretrain`` (a fresh or given
 model, LM loss) or ``recover`` (the pruned student distilled from the teacher). Rank 0 logs,
 checkpoints and writes the outputs, and the TrainingResult (result.json).
+
+The engine imports nothing of the pipeline (tests/test_layout.py). What the pipeline plugs in is
+given: the live progress as a callback to ``execute``, and, because a spec crosses into torchrun's
+workers and other machines, the per-step metric sink and the training slot as TrainingHooks, named
+by dotted path in the spec.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import importlib
 import json
 import logging
 import os
 import subprocess
 import sys
-from dataclasses import asdict, replace
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,13 +47,48 @@ from cpuforge.tasks.engine.processes import stop_process_group
 from cpuforge.tasks.engine.progress import ProgressFile, budget_bar
 from cpuforge.tasks.engine.rendezvous import torchrun_command
 from cpuforge.tasks.engine.step_timing import choose_precision
-from cpuforge.tasks.engine.trainer import TrainSettings, train
-from cpuforge.tasks.infra import live, tracking
-from cpuforge.tasks.infra.locks import training_slot
+from cpuforge.tasks.engine.trainer import RunFacts, TrainingResult, train
 
 log = logging.getLogger("cpuforge.training")
 
 PROGRESS_FILE = "progress.json"  # rank 0's latest progress, which the stage's process shows in Prefect
+
+OnProgress = Callable[[float, dict[str, Any]], None]  # on_progress(fraction, headline), in the launching process
+
+
+def dotted(obj: Any) -> str:
+    """``module:name`` of a module-level function or class, checked to name it back (resolve)."""
+    path = f"{obj.__module__}:{obj.__qualname__}"
+    try:
+        found = resolve(path)
+    except (ImportError, AttributeError):
+        found = None
+    if found is not obj:  # a lambda, a nested function, a name rebound since
+        raise ValueError(f"{obj!r} is not importable as {path}")
+    return path
+
+
+def resolve(path: str) -> Any:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class TrainingHooks(BaseModel):
+    """What the pipeline plugs into a training where the engine cannot be handed an object: in torchrun's
+    workers and on machines that join (launch.json). Each is a dotted path ("module:name", dotted()),
+    resolved where it is used; empty: not used (tests, benchmarks)."""
+
+    # rank 0's per-step metrics: metrics(tracking_uri, run_id) -> log(metrics, step), with .flush()
+    metrics: str = ""
+    # this machine's training slots: slot(what) -> a context manager held while deciding and training
+    slot: str = ""
+
+    @classmethod
+    def of(cls, metrics: Callable[..., Any] | None = None, slot: Callable[[str], Any] | None = None) -> TrainingHooks:
+        return cls(metrics=dotted(metrics) if metrics else "", slot=dotted(slot) if slot else "")
+
+    def training_slot(self, what: str) -> contextlib.AbstractContextManager:
+        return resolve(self.slot)(what) if self.slot else contextlib.nullcontext()
 
 
 class TrainingSpec(BaseModel):
@@ -69,47 +113,23 @@ class TrainingSpec(BaseModel):
     teacher_dir: str | None = None
     rdzv_id: str = ""  # names the rendezvous of a multi-process run
     cache_dir: str = ""  # the workdir's cache: torch.compile keeps its compiled graphs there (train.compile)
-
-
-class TrainingResult(BaseModel):
-    """Rank 0's summary of a finished training (result.json); the per-step history is history.jsonl."""
-
-    steps: int
-    tokens: int
-    seconds: float
-    tokens_per_s: float
-    mfu: float
-    val_loss: float
-    val_bpb: float
-    peak_rss_mb: float
-    resumed_from: int | None = None
-    compile: dict[str, Any] = {}  # the torch.compile decision it trained under (compile_params, compile_metrics)
+    hooks: TrainingHooks = TrainingHooks()  # the pipeline's metric sink and training slot
 
 
 def threads_per_process(train_cfg: TrainConfig) -> int:
     return train_cfg.threads or max(1, available_cores() // train_cfg.nproc_per_node)
 
 
-def settings(t: TrainConfig, dtype: torch.dtype, peak_flops: float) -> TrainSettings:
-    return TrainSettings(
-        batch_size=t.batch_size, grad_accum=t.grad_accum, lr=t.lr, min_lr=t.min_lr, warmup_steps=t.warmup_steps,
-        weight_decay=t.weight_decay, betas=t.betas, grad_clip=t.grad_clip, max_tokens=t.max_tokens,
-        max_steps=t.max_steps, max_minutes=t.max_minutes, eval_interval=t.eval_interval,
-        checkpoint_every_steps=t.checkpoint_every_steps, checkpoint_every_minutes=t.checkpoint_every_minutes,
-        seed=t.seed, dtype=dtype, peak_flops=peak_flops, strategy=t.strategy, optimizer=t.optimizer_in_use(),
-        muon_lr=t.muon_lr, lr_schedule=t.lr_schedule, cooldown_fraction=t.cooldown_fraction,
-    )
-
-
-def recover_settings(t: TrainConfig, r: RecoverConfig, dtype: torch.dtype, peak_flops: float) -> TrainSettings:
-    """Pretraining's engine settings with recovery's budget, optimizer and learning rates, and cosine
-    decay whatever pretraining used: train.optimizer/muon_lr/lr_schedule were tuned for training from
-    scratch, not for distilling into pruned weights (docs/training.md, "Recovery's optimizer")."""
-    return replace(settings(t, dtype, peak_flops), lr=r.lr, min_lr=r.lr / 10, optimizer=r.optimizer_in_use(t),
-                   muon_lr=r.muon_lr, lr_schedule="cosine",
-                   warmup_steps=min(t.warmup_steps, 10), max_tokens=r.max_tokens, max_steps=r.max_steps,
-                   max_minutes=r.max_minutes,
-                   seed=t.seed + 1)  # a data stream of its own, not a replay of pretraining's first steps
+def recover_train_config(t: TrainConfig, r: RecoverConfig) -> TrainConfig:
+    """The train section recovery trains under: pretraining's, with recovery's budget, optimizer and learning
+    rates, and cosine decay whatever pretraining used: train.optimizer/muon_lr/lr_schedule were tuned for
+    training from scratch, not for distilling into pruned weights (docs/training.md, "Recovery's optimizer")."""
+    return t.model_copy(update={
+        "lr": r.lr, "min_lr": r.lr / 10, "optimizer": r.optimizer_in_use(t), "muon_lr": r.muon_lr,
+        "lr_schedule": "cosine", "warmup_steps": min(t.warmup_steps, 10),
+        "max_tokens": r.max_tokens, "max_steps": r.max_steps, "max_minutes": r.max_minutes,
+        "seed": t.seed + 1,  # a data stream of its own, not a replay of pretraining's first steps
+    })
 
 
 def world_size(train_cfg: TrainConfig) -> int:
@@ -141,7 +161,7 @@ def step_optimizer(kind: str, train_cfg: TrainConfig, recover: RecoverConfig | N
 def training_spec(kind: Literal["pretrain", "recover"], train_cfg: TrainConfig, tokenize_dir: Path | str,
                   out_dir: Path, run_id: str | None, cache_dir: Path, tracking_uri: str = "", *,
                   model: LlamaConfig | None = None, recover: RecoverConfig | None = None,
-                  **model_dirs: Path) -> TrainingSpec:
+                  hooks: TrainingHooks = TrainingHooks(), **model_dirs: Path) -> TrainingSpec:
     """The spec of one training. The precision is decided here, once (measured A/B under
     precision=auto), and MFU's denominator is the matmul peak of that precision. Whether to
     torch.compile is decided by ``execute``, under the training slot (decide_compile)."""
@@ -156,7 +176,7 @@ def training_spec(kind: Literal["pretrain", "recover"], train_cfg: TrainConfig, 
         tokenize_dir=str(tokenize_dir), out_dir=str(out_dir), threads=threads, dtype=dtype, precision=precision,
         peak_flops=matmul_peak(threads, cache_dir, getattr(torch, dtype)),
         flops_per_token=training_flops_per_token(model_cfg, teacher_cfg), tracking_uri=tracking_uri, run_id=run_id,
-        cache_dir=str(cache_dir), **{name: str(path) for name, path in model_dirs.items()},
+        cache_dir=str(cache_dir), hooks=hooks, **{name: str(path) for name, path in model_dirs.items()},
     )
 
 
@@ -202,22 +222,23 @@ def compile_metrics(decision: dict[str, Any]) -> dict[str, float]:
     return figures | ({"compile_probe_s": decision["probe_s"]} if decision.get("probe_s") else {})
 
 
-def budget_left(s: TrainSettings, spent_s: float) -> TrainSettings:
+def budget_left(s: TrainConfig, spent_s: float) -> TrainConfig:
     """The settings with a wall-clock budget less what deciding how to train already spent (the compile probe):
     the budget is the training's wall-clock, finding out included."""
     if not s.max_minutes or spent_s <= 0:
         return s
-    return replace(s, max_minutes=max(s.max_minutes - spent_s / 60, 1 / 60))
+    return s.model_copy(update={"max_minutes": max(s.max_minutes - spent_s / 60, 1 / 60)})
 
 
-def execute(spec: TrainingSpec, report: live.Report = live.nothing) -> TrainingResult:
+def execute(spec: TrainingSpec, on_progress: OnProgress | None = None) -> TrainingResult:
     """Train as the spec says, here or under torchrun; returns rank 0's result. Holds one of
-    this machine's training slots meanwhile, waiting for one if they are all taken. ``report``
-    (the stage's live progress in Prefect) follows what rank 0 writes to progress.json."""
+    this machine's training slots meanwhile (spec.hooks.slot), waiting for one if they are all taken.
+    ``on_progress(fraction, headline)`` (the stage's live progress) follows what rank 0 writes to
+    progress.json."""
     out_dir = Path(spec.out_dir)
     progress = out_dir / PROGRESS_FILE
     progress.unlink(missing_ok=True)  # an interrupted attempt's: this one reports afresh
-    with training_slot(f"{spec.kind} {out_dir.name}"), live.watch_progress_file(progress, report):
+    with spec.hooks.training_slot(f"{spec.kind} {out_dir.name}"), follow_progress_file(progress, on_progress):
         if not spec.compile:  # under the slot: a probe timed beside another training would be slow, and cached
             spec = decide_compile(spec)
         if world_size(spec.train) > 1:
@@ -233,16 +254,53 @@ def execute(spec: TrainingSpec, report: live.Report = live.nothing) -> TrainingR
         return result
 
 
-def _build(spec: TrainingSpec):
-    """(model to train, loss function, settings) for the spec's kind."""
-    dtype = getattr(torch, spec.dtype)
+@contextlib.contextmanager
+def follow_progress_file(path: Path, on_progress: OnProgress | None, every_s: float = 1.0) -> Iterator[None]:
+    """Forward what a training process writes to ``path`` (tasks/engine/progress.ProgressFile) to
+    ``on_progress`` from a thread, until the block ends. The training may run in this process or in
+    torchrun's workers, which have no context of the stage's own (Prefect's): the parent reports for them."""
+    if on_progress is None:
+        yield
+        return
+    stop = threading.Event()
+    seen = [0.0]
+
+    def forward() -> None:
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):  # not written yet (or replaced this instant): next time
+            return
+        if state.get("written", 0) > seen[0]:
+            seen[0] = state["written"]
+            on_progress(state["fraction"], state.get("headline") or {})
+
+    def loop() -> None:
+        while not stop.wait(every_s):
+            forward()
+
+    # The thread runs in a copy of this context: the callback's settings (Prefect's API URL) live in context variables.
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(loop,), name="cpuforge-live", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        forward()  # the last state the training wrote
+
+
+def _build(spec: TrainingSpec) -> tuple[torch.nn.Module, Any, TrainConfig, RunFacts]:
+    """(model to train, loss function, its train settings, the run's facts) for the spec's kind. Recovery
+    trains under recover_train_config; either way the wall-clock budget is less the compile probe's seconds."""
+    facts = RunFacts(dtype=getattr(torch, spec.dtype), peak_flops=spec.peak_flops)
+    probe_s = spec.compile.get("probe_s", 0)
     if spec.kind == "recover":
         assert spec.recover is not None and spec.student_dir and spec.teacher_dir
         student, teacher = load_model(Path(spec.student_dir)), load_model(Path(spec.teacher_dir))
         r = spec.recover
-        recover = budget_left(recover_settings(spec.train, r, dtype, spec.peak_flops), spec.compile.get("probe_s", 0))
         return student, distillation_loss(teacher, r.temperature, r.kd_weight, r.lm_weight), \
-            replace(recover, flops_per_token=training_flops_per_token(student.cfg, teacher.cfg))
+            budget_left(recover_train_config(spec.train, r), probe_s), \
+            replace(facts, flops_per_token=training_flops_per_token(student.cfg, teacher.cfg))
     assert spec.model is not None
     # Continued pretraining starts from given weights (a checkpoint found later still takes precedence).
     if spec.init_dir:
@@ -251,7 +309,7 @@ def _build(spec: TrainingSpec):
         model = Llama(spec.model)
         if spec.train.zero_init_residual:
             zero_residual_projections(model)
-    return model, lm_loss, budget_left(settings(spec.train, dtype, spec.peak_flops), spec.compile.get("probe_s", 0))
+    return model, lm_loss, budget_left(spec.train, probe_s), facts
 
 
 def run_training(spec: TrainingSpec | dict[str, Any]) -> TrainingResult | None:
@@ -264,7 +322,7 @@ def run_training(spec: TrainingSpec | dict[str, Any]) -> TrainingResult | None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.set_num_threads(spec.threads)
     torch.manual_seed(t.seed)
-    model, loss_fn, train_settings = _build(spec)
+    model, loss_fn, train_cfg, facts = _build(spec)
     block = model.cfg.block_size
     shards = open_shards(Path(spec.tokenize_dir), block)
     model.activation_checkpointing = t.activation_checkpointing
@@ -275,7 +333,9 @@ def run_training(spec: TrainingSpec | dict[str, Any]) -> TrainingResult | None:
     out_dir = Path(spec.out_dir)
     byte_lengths = token_byte_lengths(shards.tokenizer_path)
     val = val_batches(shards.val, t.eval_batches, t.batch_size, block)
-    logger = tracking.MetricLogger(spec.tracking_uri, spec.run_id) if rank == 0 and spec.run_id else None
+    # rank 0 sends each step's metrics to the stage's run (MLflow: tasks/infra/tracking.MetricLogger)
+    logger = resolve(spec.hooks.metrics)(spec.tracking_uri, spec.run_id) \
+        if rank == 0 and spec.run_id and spec.hooks.metrics else None
 
     quiet = contextlib.nullcontext(lambda fraction, status: None)  # only rank 0 draws progress
     progress_file = ProgressFile(out_dir / PROGRESS_FILE) if rank == 0 else None
@@ -290,7 +350,7 @@ def run_training(spec: TrainingSpec | dict[str, Any]) -> TrainingResult | None:
             update(fraction, status)
             progress_file.progress(fraction, status, final=fraction >= 1.0)
 
-        result = train(model, shards.train, val, byte_lengths, train_settings, out_dir / "checkpoints",
+        result = train(model, shards.train, val, byte_lengths, train_cfg, out_dir / "checkpoints", facts,
                        loss_fn=loss_fn, log_metrics=log_metrics if progress_file else None,
                        on_progress=on_progress if progress_file else update)
     if logger:
@@ -301,9 +361,9 @@ def run_training(spec: TrainingSpec | dict[str, Any]) -> TrainingResult | None:
     save_model(model, out_dir / "model", extra={"dtype": spec.dtype}, weights=weights)
     write_tokenizer(out_dir / "model", shards.tokenizer_path, shards.meta["eod_token"], shards.eod_id)
     atomic_write_text(out_dir / "history.jsonl", "".join(json.dumps(h) + "\n" for h in result.history))
-    summary = TrainingResult(**{k: v for k, v in asdict(result).items() if k != "history"}, compile=spec.compile)
-    atomic_write_text(out_dir / "result.json", summary.model_dump_json(indent=2))
-    return summary
+    result = result.model_copy(update={"compile": spec.compile})
+    atomic_write_text(out_dir / "result.json", result.model_dump_json(indent=2))  # the history is not in it
+    return result
 
 
 def launch_torchrun(train_cfg: TrainConfig, spec_path: Path, rdzv_id: str) -> None:
@@ -324,9 +384,10 @@ def launch_torchrun(train_cfg: TrainConfig, spec_path: Path, rdzv_id: str) -> No
 
 
 def join(spec_path: Path) -> None:
-    """Another machine's share of a multi-machine run: the same torchrun, from the stage's launch.json."""
+    """Another machine's share of a multi-machine run: the same torchrun, from the stage's launch.json,
+    holding one of this machine's training slots (the spec's hook) meanwhile."""
     spec = TrainingSpec.model_validate_json(spec_path.read_text())
-    with training_slot(f"{spec.kind} {spec.rdzv_id} (joined)"):
+    with spec.hooks.training_slot(f"{spec.kind} {spec.rdzv_id} (joined)"):
         launch_torchrun(spec.train, spec_path, spec.rdzv_id)
 
 

@@ -10,14 +10,11 @@ reach the Prefect API is logged once and never fails the stage: progress is a vi
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 from uuid import UUID
 
@@ -153,38 +150,3 @@ def take_markdown_id(stage: str) -> UUID | None:
 
     task_run = TaskRunContext.get()
     return _markdown_ids.pop((str(task_run.task_run.id), stage), None) if task_run else None
-
-
-@contextlib.contextmanager
-def watch_progress_file(path: Path, report: Report, every_s: float = 1.0) -> Iterator[None]:
-    """Forward what a training process writes to ``path`` (tasks/engine/progress.ProgressFile) to
-    ``report`` from a thread, until the block ends. The training may run in this process or in
-    torchrun's workers, which have no Prefect context of their own: the parent reports for them."""
-    if report is nothing:
-        yield
-        return
-    stop = threading.Event()
-    seen = [0.0]
-
-    def forward() -> None:
-        try:
-            state = json.loads(path.read_text())
-        except (OSError, ValueError):  # not written yet (or replaced this instant): next time
-            return
-        if state.get("written", 0) > seen[0]:
-            seen[0] = state["written"]
-            report(state["fraction"], state.get("headline") or {})
-
-    def loop() -> None:
-        while not stop.wait(every_s):
-            forward()
-
-    # The thread runs in a copy of this context: the Prefect settings (its API URL) live in context variables.
-    thread = threading.Thread(target=contextvars.copy_context().run, args=(loop,), name="cpuforge-live", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-        forward()  # the last state the training wrote

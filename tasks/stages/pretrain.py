@@ -21,6 +21,7 @@ from cpuforge.tasks.config.settings import AUTO, ModelConfig, TrainConfig
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, unigram_bpb
 from cpuforge.tasks.engine.sizing import explain_shape
 from cpuforge.tasks.engine.training_run import (
+    TrainingHooks,
     compile_metrics,
     compile_params,
     execute,
@@ -29,7 +30,8 @@ from cpuforge.tasks.engine.training_run import (
     training_spec,
     world_size,
 )
-from cpuforge.tasks.infra import tracking
+from cpuforge.tasks.infra import live, tracking
+from cpuforge.tasks.infra.locks import training_slot
 from cpuforge.tasks.infra.stage import StageOutput, StageRun, key_config
 from cpuforge.tasks.records.errors import UserError
 from cpuforge.tasks.release.model_card import made_by, write_model_card
@@ -38,6 +40,9 @@ from cpuforge.tasks.release.reports import training_reports
 log = logging.getLogger("cpuforge.pretrain")
 
 SPEC = stages.PRETRAIN
+# What the pipeline plugs into the engine: per-step metrics to the stage's MLflow run, from rank 0 in
+# whichever process it trains, and one of the machine's training slots, here and on machines that join.
+HOOKS = TrainingHooks.of(metrics=tracking.MetricLogger, slot=training_slot)
 
 
 def work(run: StageRun, model: ModelConfig, train: TrainConfig) -> StageOutput:
@@ -48,14 +53,14 @@ def work(run: StageRun, model: ModelConfig, train: TrainConfig) -> StageOutput:
     model_cfg = model.shape(shards.vocab_size)
     world = world_size(train)
     spec = training_spec("pretrain", train, tok_dir, run.out_dir, run.run_id, run.cache_dir, run.tracking_uri,
-                         model=model_cfg, **({"init_dir": Path(init.folder)} if init else {}))
+                         model=model_cfg, hooks=HOOKS, **({"init_dir": Path(init.folder)} if init else {}))
     _check_resumable(run.out_dir / "checkpoints", model_cfg)
     sized = explain_shape(model_cfg, train, run.cache_dir) if model.size == AUTO and not init else None
     if sized is not None:
         log.info("model.size=auto: %s", sized.reason)
     tracking.log_params(run.run_id, {"threads": spec.threads, "world_size": world, **precision_params(spec),
                                      "init": init.origin if init else "scratch", **(sized.as_params() if sized else {})})
-    result = execute(spec, run.report)
+    result = execute(spec, None if run.report is live.nothing else run.report)  # Prefect's live progress
     tracking.log_params(run.run_id, compile_params(result.compile))
     training_reports(run.out_dir)
     baseline = unigram_bpb(shards.train, shards.val, shards.vocab_size, token_byte_lengths(shards.tokenizer_path))

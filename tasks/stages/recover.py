@@ -18,6 +18,7 @@ from cpuforge.tasks import stages
 from cpuforge.tasks.config.settings import RecoverConfig, TrainConfig
 from cpuforge.tasks.engine.data import open_shards
 from cpuforge.tasks.engine.training_run import (
+    TrainingHooks,
     compile_metrics,
     compile_params,
     execute,
@@ -26,7 +27,8 @@ from cpuforge.tasks.engine.training_run import (
     training_spec,
     world_size,
 )
-from cpuforge.tasks.infra import tracking
+from cpuforge.tasks.infra import live, tracking
+from cpuforge.tasks.infra.locks import training_slot
 from cpuforge.tasks.infra.stage import StageOutput, StageRun, key_config
 from cpuforge.tasks.records.errors import UserError
 from cpuforge.tasks.release.model_card import made_by, write_model_card
@@ -35,6 +37,7 @@ from cpuforge.tasks.release.reports import training_reports
 log = logging.getLogger("cpuforge.recover")
 
 SPEC = stages.RECOVER
+HOOKS = TrainingHooks.of(metrics=tracking.MetricLogger, slot=training_slot)  # as pretraining's (pretrain.HOOKS)
 
 
 def work(run: StageRun, recover: RecoverConfig, train: TrainConfig) -> StageOutput:
@@ -47,10 +50,10 @@ def work(run: StageRun, recover: RecoverConfig, train: TrainConfig) -> StageOutp
     open_shards(Path(tokenized.output_dir), student_cfg.block_size)  # fails early on missing/short shards
     spec = training_spec("recover", train, tokenized.output_dir, run.out_dir, run.run_id, run.cache_dir,
                          run.tracking_uri, recover=recover, student_dir=pruned.path("model"),
-                         teacher_dir=pretrained.path("model"))
+                         teacher_dir=pretrained.path("model"), hooks=HOOKS)
     world = world_size(train)
     tracking.log_params(run.run_id, {"threads": spec.threads, "world_size": world, **precision_params(spec)})
-    result = execute(spec, run.report)
+    result = execute(spec, None if run.report is live.nothing else run.report)  # Prefect's live progress
     tracking.log_params(run.run_id, compile_params(result.compile))
     training_reports(run.out_dir)
     pretrain_tokens = pretrained.metrics.get("tokens", 0)
