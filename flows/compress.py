@@ -17,6 +17,7 @@ from cpuforge.flows.session import (
     register_final,
     resolve_flow_run,
     run_stages,
+    stages_to_run,
 )
 from cpuforge.tasks import stages
 from cpuforge.tasks.release.lineage import CHAMPION, find_source_task
@@ -35,6 +36,7 @@ def compress(
     workdir: str = DEFAULT_WORKDIR,
     summary_path: str = "",
     rebuild: str = "",
+    stop_after: str = "",
 ) -> dict[str, Any]:
     """Compress an existing pretrained model: the registry's COMPRESS stages (adopt in pretrain's place;
     tasks/stages/__init__.py), then register it through the champion gate. The model's own shape and tokenizer
@@ -58,6 +60,8 @@ def compress(
         summary_path: also write the summary JSON to this file.
         rebuild: build this stage and every stage that reads its output again, even where the store has them (e.g. prune).
             Empty: reuse what is there.
+        stop_after: run the stages up to and including this one, then stop (e.g. prune); the model is registered
+            only when evaluate ran. Empty: every stage.
     """
     run = resolve_flow_run(profile, config_file, overrides, workdir, pretrained,
                            data_source=data_source, keep_ratio=keep_ratio, prune_strategy=prune_strategy,
@@ -65,6 +69,9 @@ def compress(
     find = partial(find_source_task, pretrained)
     with flow_session("compress", run, workdir, summary_path, find_pretrained=find, adopt_shape=True,
                       rebuild=rebuild_set(rebuild, stages.COMPRESS)) as (summary, ctx):
-        records = run_stages(stages.COMPRESS, summary, ctx, run)
+        order = stages_to_run(stages.COMPRESS, stop_after)
+        if stop_after:
+            summary.stopped_after = order[-1].name
+        records = run_stages(order, summary, ctx, run)
         register_final(summary, ctx, records, run.source)
     return summary.as_json()

@@ -16,6 +16,7 @@ from cpuforge.flows.session import (
     register_final,
     resolve_flow_run,
     run_stages,
+    stages_to_run,
 )
 from cpuforge.tasks import stages
 from cpuforge.tasks.release.lineage import find_init_task
@@ -35,6 +36,7 @@ def pipeline(
     workdir: str = DEFAULT_WORKDIR,
     summary_path: str = "",
     rebuild: str = "",
+    stop_after: str = "",
 ) -> dict[str, Any]:
     """Raw text to a small, fast, registered model: the registry's stages in order (tasks/stages/__init__.py
     PIPELINE; `cpuforge plan` lists them), then the final model is registered in MLflow and promoted to champion if
@@ -57,6 +59,8 @@ def pipeline(
         summary_path: also write the summary JSON to this file.
         rebuild: build this stage and every stage that reads its output again, even where the store has them (e.g. prune).
             Empty: reuse what is there.
+        stop_after: run the stages up to and including this one, then stop (e.g. prune); the model is registered
+            only when evaluate ran. Empty: every stage.
     """
     run = resolve_flow_run(profile, config_file, overrides, workdir, data_source=data_source,
                            pretrain_minutes=pretrain_minutes, init_from=init_from, keep_ratio=keep_ratio,
@@ -64,6 +68,9 @@ def pipeline(
     find = find_init_task if run.cfg.train.init_from else None
     with flow_session("pipeline", run, workdir, summary_path, find_pretrained=find,
                       rebuild=rebuild_set(rebuild, stages.PIPELINE)) as (summary, ctx):
-        records = run_stages(stages.PIPELINE, summary, ctx, run)
+        order = stages_to_run(stages.PIPELINE, stop_after)
+        if stop_after:
+            summary.stopped_after = order[-1].name
+        records = run_stages(order, summary, ctx, run)
         register_final(summary, ctx, records, run.source)
     return summary.as_json()

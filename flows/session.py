@@ -62,6 +62,16 @@ def rebuild_set(rebuild: str, order: tuple[StageSpec, ...]) -> frozenset[str]:
         raise ConfigError(f"rebuild: {exc}") from None
 
 
+def stages_to_run(order: tuple[StageSpec, ...], stop_after: str) -> tuple[StageSpec, ...]:
+    """`--stop-after STAGE`: the stages up to and including it ("" runs them all)."""
+    if not stop_after:
+        return order
+    try:
+        return stages.up_to(stop_after, order)
+    except ValueError as exc:
+        raise ConfigError(f"stop_after: {exc}") from None
+
+
 def resolve_flow_run(profile: str, config_file: str | None, overrides: Sequence[str] | None,
                      workdir: str = DEFAULT_WORKDIR, pretrained: str = "", **form: Any) -> ResolvedRun:
     """The resolved settings of a flow run: profile, config file, the form's fields, then the overrides."""
@@ -130,8 +140,16 @@ def run_stages(order: tuple[StageSpec, ...], summary: RunSummary, ctx: StageCont
     return records
 
 
+REGISTRATION_NEEDS = frozenset({"tokenize", "pretrain", "quantize", "evaluate"})  # records register_task reads
+
+
 def register_final(summary: RunSummary, ctx: StageContext, records: dict[str, StageRecord],
                    source: PretrainedSource | None) -> None:
-    """Register the final model (quantize's, as evaluate measured it) through the champion gate."""
+    """Register the final model (quantize's, as evaluate measured it) through the champion gate; a run
+    stopped before evaluate (--stop-after) registers nothing."""
+    if not REGISTRATION_NEEDS <= set(records):
+        log.info("stopped after %s: nothing is registered (registration needs quantize and evaluate)",
+                 summary.stopped_after)
+        return
     lineage = lineage_tags(ctx.cfg, records["pretrain"].mlflow_run_id, source)
     summary.registry = register_task(ctx, records["tokenize"], records["quantize"], records["evaluate"], lineage)

@@ -68,6 +68,14 @@ def test_empty_workdir(capsys):
     assert "--workdir is empty" in cli(capsys, "run", "--profile", "tiny", "--workdir", "")
 
 
+@pytest.mark.parametrize("command, flag, stage", [("run", "--stop-after", "pretrian"), ("run", "--rebuild", "evaluat"),
+                                                 ("compress", "--stop-after", "pretrain")])  # compress has adopt instead
+def test_a_stage_name_that_does_not_exist_names_the_stages(capsys, tmp_path, command, flag, stage):
+    line = cli(capsys, command, "--profile", "tiny", "--workdir", str(tmp_path / "w"), flag, stage)
+    assert line.startswith(f"error: {flag}: unknown stage '{stage}'; the stages are tokenize, ")
+    assert not (tmp_path / "w" / "stages").exists()  # nothing ran
+
+
 def test_summary_that_is_a_folder(capsys, tmp_path):
     line = cli(capsys, "run", "--profile", "tiny", "--workdir", str(tmp_path / "w"), "--summary", str(tmp_path))
     assert f"--summary {tmp_path} is a folder: give a file path such as {tmp_path / 'summary.json'}" in line

@@ -74,6 +74,10 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
     assert pruned["val_bpb_before"] == pytest.approx(pre["metrics"]["val_bpb"], abs=1e-3)
     assert pruned["val_bpb_after"] > 0 and recovered["val_bpb"] > 0
     assert recovered["params"] == pruned["params_after"] and recovered["tokens"] > 0
+    # measured against its teacher, and against pretraining's tokens where there was pretraining
+    assert recovered["teacher_val_bpb"] == pre["metrics"]["val_bpb"]
+    assert recovered["bpb_vs_teacher"] == pytest.approx(recovered["val_bpb"] / pre["metrics"]["val_bpb"] - 1, abs=1e-3)
+    assert recovered["tokens_vs_pretrain"] == pytest.approx(recovered["tokens"] / pre["metrics"]["tokens"], abs=1e-3)
 
     client = mlflow_client(workdir)
     parent = client.get_run(first["mlflow_run_id"])
@@ -185,6 +189,8 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
     adopted = recompressed["stages"]["adopt"]["metrics"]
     assert adopted["val_bpb"] == pytest.approx(source_bpb, abs=2e-3)  # scored as pretraining scored it
     ratio = recompressed["stages"]["prune"]["metrics"]["params_after"] / adopted["params"]
+    rec = recompressed["stages"]["recover"]["metrics"]  # an adopted teacher: no pretraining here to compare with
+    assert rec["teacher_val_bpb"] == adopted["val_bpb"] and "tokens_vs_pretrain" not in rec
     assert 0.6 < ratio <= 0.75 and recompressed["registry"]["decision"] in ("promoted", "kept champion")
 
 
@@ -240,6 +246,17 @@ def test_a_failing_stage_fails_the_runs_and_leaves_nothing_finished(tmp_path, pr
     children = client.search_runs([client.get_run(summary["mlflow_run_id"]).info.experiment_id],
                                   f"tags.mlflow.parentRunId = '{summary['mlflow_run_id']}'")
     assert [r.info.status for r in children] == ["FAILED"]
+
+
+def test_stop_after_runs_the_stages_up_to_it_and_registers_nothing(tmp_path, text_corpus, prefect_server):
+    workdir = tmp_path / "work"
+    code, summary = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}", "--stop-after", "prune")
+    assert code == 0 and summary["status"] == "completed" and summary["stopped_after"] == "prune"
+    assert list(summary["stages"]) == registry.names()[: registry.names().index("prune") + 1]
+    assert "registry" not in summary  # nothing to register before quantize and evaluate
+    assert not mlflow_client(workdir).search_registered_models()
+    pruned = Path(summary["stages"]["prune"]["output_dir"]) / "model"
+    assert (pruned / "model.safetensors").is_file()  # the stage's output is kept for the next run
 
 
 def test_bad_config_is_rejected_before_any_work(tmp_path, capsys):

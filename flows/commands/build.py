@@ -23,6 +23,10 @@ def run_args(p: argparse.ArgumentParser, summary: bool = True) -> None:
         p.add_argument("--summary", help="also write the summary JSON to this file")
     p.add_argument("--rebuild", metavar="STAGE", default="",
                    help="build this stage and every stage that reads its output again, even where the work folder has them")
+    if summary:  # run and compress, not plan
+        p.add_argument("--stop-after", metavar="STAGE", default="",
+                       help="run the stages up to and including STAGE, then stop (the model is registered only when "
+                            "evaluate ran); finished stages are kept and reused by the next run")
 
 
 def add_run(sub: argparse._SubParsersAction) -> None:
@@ -32,7 +36,8 @@ def add_run(sub: argparse._SubParsersAction) -> None:
                       "The final model is registered, and becomes 'champion' when it beats the current one.",
                       ("cpuforge run --profile tiny --workdir /tmp/cpuforge-tiny",
                        "cpuforge run --set data.source=~/code --set train.max_minutes=30",
-                       "cpuforge run --config my.yaml --rebuild recover   # recover and every stage that reads it, again"))
+                       "cpuforge run --config my.yaml --rebuild recover   # recover and every stage that reads it, again",
+                       "cpuforge run --stop-after pretrain   # tokenize and pretrain only"))
     run_args(run)
     run.set_defaults(handler=run_pipeline)
 
@@ -53,7 +58,8 @@ def add_compress(sub: argparse._SubParsersAction) -> None:
                        "distillation and evaluation) from the config.",
                        ("cpuforge compress --profile tiny   # the registered champion's pretrained weights",
                         "cpuforge compress --pretrained runs:/RUN_ID/model --set prune.keep_ratio=0.3",
-                        "cpuforge compress --pretrained cpuforge-runs/stages/pretrain-KEY"))
+                        "cpuforge compress --pretrained cpuforge-runs/stages/pretrain-KEY",
+                        "cpuforge compress --pretrained hf:./SmolLM2-135M --stop-after prune   # see the pruned model first"))
     run_args(comp)
     comp.add_argument("--pretrained", default="champion", metavar="SOURCE",
                       help="'champion' (default: the registered champion's pretrained weights), runs:/RUN_ID/model, "
@@ -65,12 +71,13 @@ def add_compress(sub: argparse._SubParsersAction) -> None:
 def run_pipeline(args: argparse.Namespace) -> int:
     workdir = checked_outputs(args)
     rebuild_set(args.rebuild)
+    stop_after_set(args.stop_after)
     run = resolved(args, workdir)
     run.check_prune_target()
     from cpuforge.flows.pipeline import pipeline
 
     return run_flow(pipeline, profile=run.cfg.profile, config_file=args.config or "", overrides=args.overrides,
-                    workdir=workdir, summary_path=args.summary or "", rebuild=args.rebuild)
+                    workdir=workdir, summary_path=args.summary or "", rebuild=args.rebuild, stop_after=args.stop_after)
 
 
 def show_plan(args: argparse.Namespace) -> int:
@@ -94,12 +101,14 @@ def run_compress(args: argparse.Namespace) -> int:
 
     workdir = checked_outputs(args)
     rebuild_set(args.rebuild, stages.COMPRESS)
+    stop_after_set(args.stop_after, stages.COMPRESS)
     run = resolved(args, workdir, args.pretrained)  # the prune target is checked once the model's shape is known
     run.check_pretrained()
     from cpuforge.flows.compress import compress
 
     return run_flow(compress, pretrained=args.pretrained, profile=run.cfg.profile, config_file=args.config or "",
-                    overrides=args.overrides, workdir=workdir, summary_path=args.summary or "", rebuild=args.rebuild)
+                    overrides=args.overrides, workdir=workdir, summary_path=args.summary or "", rebuild=args.rebuild,
+                    stop_after=args.stop_after)
 
 
 def resolved(args: argparse.Namespace, workdir: str, pretrained: str = ""):
@@ -121,6 +130,17 @@ def rebuild_set(rebuild: str, order=None) -> frozenset[str]:
         return stages.from_stage(rebuild, order or stages.PIPELINE)
     except ValueError as exc:
         raise UserError(f"--rebuild: {exc}") from None
+
+
+def stop_after_set(stop_after: str, order=None) -> None:
+    """Check `--stop-after` up front: a stage name that does not exist fails now, in one line."""
+    from cpuforge.tasks import stages
+
+    if stop_after:
+        try:
+            stages.up_to(stop_after, order or stages.PIPELINE)
+        except ValueError as exc:
+            raise UserError(f"--stop-after: {exc}") from None
 
 
 def checked_outputs(args: argparse.Namespace) -> str:

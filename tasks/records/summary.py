@@ -54,6 +54,7 @@ class RunSummary(BaseModel):
     flow: str | None = None  # cpuforge-pipeline's "pipeline" or the compression flow's "compress"
     pretrained_from: dict[str, Any] | None = None  # the weights the run started from, if any
     registry: dict[str, Any] | None = None  # the registered version and the champion gate's decision
+    stopped_after: str | None = None  # --stop-after: the last stage run (no registration unless evaluate ran)
 
     def add_stage(self, record: StageRecord) -> None:
         self.stages[record.stage] = StageSummary(

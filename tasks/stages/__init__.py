@@ -90,6 +90,14 @@ def from_stage(name: str, order: tuple[StageSpec, ...] = PIPELINE) -> frozenset[
     return frozenset(rebuilt)
 
 
+def up_to(name: str, order: tuple[StageSpec, ...] = PIPELINE) -> tuple[StageSpec, ...]:
+    """The stages of `order` up to and including `name`: what `--stop-after NAME` runs."""
+    order_names = names(order)
+    if name not in order_names:
+        raise ValueError(f"unknown stage {name!r}; the stages are {', '.join(order_names)}")
+    return order[: order_names.index(name) + 1]
+
+
 def record_name(spec: StageSpec) -> str:
     """The name its record is handed on under (adopt's is "pretrain")."""
     return spec.stands_for or spec.name

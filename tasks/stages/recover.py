@@ -56,10 +56,9 @@ def work(run: StageRun, recover: RecoverConfig, train: TrainConfig) -> StageOutp
     result = execute(spec, None if run.report is live.nothing else run.report)  # Prefect's live progress
     tracking.log_params(run.run_id, compile_params(result.compile))
     training_reports(run.out_dir)
-    pretrain_tokens = pretrained.metrics.get("tokens", 0)
     metrics = {"tokens": result.tokens, "steps": result.steps, "val_loss": round(result.val_loss, 4),
                "val_bpb": round(result.val_bpb, 4), "params": config_param_count(student_cfg),
-               "tokens_vs_pretrain": round(result.tokens / max(1, pretrain_tokens), 4),
+               **against_teacher(result.tokens, result.val_bpb, pretrained.metrics),
                "tokens_per_s": round(result.tokens_per_s, 1), "peak_rss_mb": round(result.peak_rss_mb, 1),
                "seconds": round(time.perf_counter() - started, 2), "world_size": world,
                # MFU counts the teacher's forward passes too: the step computes them
@@ -70,9 +69,10 @@ def work(run: StageRun, recover: RecoverConfig, train: TrainConfig) -> StageOutp
     write_model_card(run.out_dir / "model", [*made_by(tokenized, pretrained, pruned),
                      (SPEC.name, {"recover": key_config("recover", recover), "train": key_config("train", train)})],
                      tokenized, metrics)
-    log.info("recovered on %s tokens (%.0f%% of pretraining): val bpb %.3f (right after pruning %.3f)",
-             f"{result.tokens:,}", 100 * result.tokens / max(1, pretrain_tokens), result.val_bpb,
-             pruned.metrics.get("val_bpb_after", float("nan")))
+    log.info("recovered on %s tokens%s: val bpb %.3f, %s (right after pruning %.3f)", f"{result.tokens:,}",
+             f" ({100 * metrics['tokens_vs_pretrain']:.1f}% of pretraining)" if "tokens_vs_pretrain" in metrics else "",
+             result.val_bpb, f"teacher {metrics['teacher_val_bpb']:.3f} ({100 * metrics['bpb_vs_teacher']:+.1f}%)"
+             if "bpb_vs_teacher" in metrics else "teacher not scored", pruned.metrics.get("val_bpb_after", float("nan")))
     return StageOutput(
         metrics=metrics,
         files={"model": "model", "tokenizer": "model/tokenizer.json", "checkpoints": "checkpoints",
@@ -80,3 +80,15 @@ def work(run: StageRun, recover: RecoverConfig, train: TrainConfig) -> StageOutp
         artifacts=["model", "loss_curve.png"],
         info={"resumed_from_step": result.resumed_from},
     )
+
+
+def against_teacher(tokens: int, val_bpb: float, teacher: dict) -> dict:
+    """Recovery measured against its teacher: the teacher's val bits per byte and the gap to it, and the tokens
+    as a share of pretraining's only where the teacher was pretrained here (an adopted model has no such figure)."""
+    figures: dict = {}
+    if teacher.get("val_bpb"):
+        figures["teacher_val_bpb"] = teacher["val_bpb"]
+        figures["bpb_vs_teacher"] = round(val_bpb / teacher["val_bpb"] - 1, 4)
+    if teacher.get("tokens"):
+        figures["tokens_vs_pretrain"] = round(tokens / teacher["tokens"], 4)
+    return figures
