@@ -19,7 +19,7 @@ from cpuforge.flows.session import (
     stages_to_run,
 )
 from cpuforge.tasks import stages
-from cpuforge.tasks.release.lineage import find_init_task
+from cpuforge.tasks.release.lineage import HF_PREFIX, find_init_task
 
 
 @flow(name="cpuforge-pipeline", log_prints=True)
@@ -48,7 +48,8 @@ def pipeline(
             Empty: the profile's (stdlib).
         pretrain_minutes: wall-clock budget of pretraining. 0: the profile's (demo: 5).
         init_from: continue pretraining from 'champion' (the registered champion's pretrained weights; from scratch
-            while there is none), a model folder or runs:/RUN_ID/model. Empty: a new model.
+            while there is none), a model folder, runs:/RUN_ID/model, or hf:DIR_OR_ID (a transformers Llama checkpoint:
+            its shape and tokenizer are used). Empty: a new model.
         keep_ratio: fraction of parameters pruning keeps, in (0, 1]. 0: the profile's (0.5).
         prune_strategy: width (heads, MLP and embedding channels), depth (whole layers) or width_then_depth.
             Empty: the profile's (demo: width_then_depth).
@@ -66,7 +67,9 @@ def pipeline(
                            pretrain_minutes=pretrain_minutes, init_from=init_from, keep_ratio=keep_ratio,
                            prune_strategy=prune_strategy, recover_minutes=recover_minutes)
     find = find_init_task if run.cfg.train.init_from else None
-    with flow_session("pipeline", run, workdir, summary_path, find_pretrained=find,
+    # A transformers checkpoint brings its own shape (as compress adopts it); cpuforge's own weights must match model.*
+    adopt_shape = (run.cfg.train.init_from or "").startswith(HF_PREFIX)
+    with flow_session("pipeline", run, workdir, summary_path, find_pretrained=find, adopt_shape=adopt_shape,
                       rebuild=rebuild_set(rebuild, stages.PIPELINE)) as (summary, ctx):
         order = stages_to_run(stages.PIPELINE, stop_after)
         if stop_after:

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +75,14 @@ def read_config(folder: Path) -> LlamaConfig:
         raise CheckpointError(f"{path} is not a valid model config: {exc}") from None
 
 
-def load_model(folder: Path, expect: LlamaConfig | None = None) -> Llama:
-    """Load and verify a model folder; `expect` rejects a checkpoint made for another config."""
+def load_model(folder: Path, expect: LlamaConfig | None = None, max_context: int | None = None) -> Llama:
+    """Load and verify a model folder; `expect` rejects a checkpoint made for another config. `max_context`
+    cuts a longer context (a transformers model's thousands of tokens) to the one used here: no weight
+    depends on it, the rotary tables are computed for it."""
     folder = Path(folder)
     cfg = read_config(folder)
+    if max_context is not None and cfg.block_size > max_context:
+        cfg = replace(cfg, block_size=max_context)
     if expect is not None:
         _check_same_config(folder, cfg, expect)
     model = Llama(cfg)

@@ -105,6 +105,32 @@ def test_compress_a_transformers_llama_end_to_end(tmp_path):
         assert "bits per byte" in card and f"`{corpus}`" in card and "**prune**" in card
 
 
+def test_continue_pretraining_a_transformers_llama(tmp_path):
+    """`cpuforge run --set train.init_from=hf:DIR`: the checkpoint's shape and tokenizer, its context cut to the
+    profile's, trained on from its weights; `--stop-after pretrain` stops there and registers nothing."""
+    corpus = make_corpus(tmp_path / "corpus")
+    source = save_hf_llama(tmp_path / "hf-llama", corpus)
+    workdir = tmp_path / "work"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": tempfile.mkdtemp(prefix="cpuforge-prefect-")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "cpuforge.flows.cli", "run", "--profile", "tiny", "--workdir", str(workdir),
+         "--summary", str(workdir / "summary.json"), "--set", f"data.source={corpus}",
+         "--set", f"train.init_from=hf:{source}", "--set", "train.max_steps=5", "--stop-after", "pretrain"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert list(summary["stages"]) == ["tokenize", "pretrain"] and summary["stopped_after"] == "pretrain"
+    assert summary["pretrained_from"]["origin"] == f"hf:{source}" and "registry" not in summary
+    meta = json.loads((Path(summary["stages"]["tokenize"]["output_dir"]) / "meta.json").read_text())
+    assert meta["eod_token"] == "</s>"  # the checkpoint's tokenizer and eos
+    theirs = json.loads((source / "config.json").read_text())
+    trained = json.loads((Path(summary["stages"]["pretrain"]["output_dir"]) / "model" / "config.json").read_text())
+    for field in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size", "tie_word_embeddings"):
+        assert trained[field] == theirs[field], field
+    assert trained["max_position_embeddings"] == 64  # the tiny profile's context
+    assert summary["stages"]["pretrain"]["metrics"]["steps"] == 5
+
+
 def test_an_unsupported_checkpoint_fails_with_one_line(tmp_path, capsys):
     from cpuforge.flows.cli import main
 

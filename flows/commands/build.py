@@ -73,6 +73,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
     rebuild_set(args.rebuild)
     stop_after_set(args.stop_after)
     run = resolved(args, workdir)
+    run.check_pretrained()  # train.init_from=hf:DIR
     run.check_prune_target()
     from cpuforge.flows.pipeline import pipeline
 

@@ -74,12 +74,14 @@ class ResolvedRun:
         target_config(self.cfg.model.shape(self.cfg.tokenizer.vocab_size), self.cfg.prune)
 
     def check_pretrained(self) -> None:
-        """A local hf: checkpoint cpuforge cannot take fails here, in a second, before Prefect starts."""
-        folder = Path(self.pretrained.removeprefix(HF_PREFIX)).expanduser()
-        if self.pretrained.startswith(HF_PREFIX) and folder.is_dir():
+        """A local hf: checkpoint cpuforge cannot take (compress's --pretrained, or train.init_from) fails here,
+        in a second, before Prefect starts."""
+        named = self.pretrained or self.cfg.train.init_from or ""
+        folder = Path(named.removeprefix(HF_PREFIX)).expanduser()
+        if named.startswith(HF_PREFIX) and folder.is_dir():
             from cpuforge.tasks.release.lineage import check_hf_checkpoint
 
-            check_hf_checkpoint(folder, self.pretrained)
+            check_hf_checkpoint(folder, named)
 
     def start(self, source: PretrainedSource | None, adopt_shape: bool = False) -> None:
         """Finish the resolution once the weights the run starts from are known (None: a new model):

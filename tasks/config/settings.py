@@ -230,8 +230,10 @@ class TrainConfig(Section):
     init_from: NonBlank | None = Field(
         None,
         description="Continue from these pretrained weights instead of starting from scratch: 'champion' (the "
-        "weights behind the registered champion; from scratch while there is none), a model folder, or "
-        "runs:/RUN_ID/model. Their tokenizer is used, and model.* must match their shape.",
+        "weights behind the registered champion; from scratch while there is none), a model folder, "
+        "runs:/RUN_ID/model, or hf:DIR_OR_ID (a transformers Llama checkpoint: a folder, or a Hub id downloaded "
+        "once). Their tokenizer is used; model.* must match cpuforge's own weights, and a transformers "
+        "checkpoint's shape is taken as it is (its context capped at model.block_size).",
     )
 
     def optimizer_in_use(self) -> Literal["adamw", "muon"]:

@@ -304,7 +304,7 @@ def _build(spec: TrainingSpec) -> tuple[torch.nn.Module, Any, TrainConfig, RunFa
     assert spec.model is not None
     # Continued pretraining starts from given weights (a checkpoint found later still takes precedence).
     if spec.init_dir:
-        model = load_model(Path(spec.init_dir), expect=spec.model)
+        model = load_model(Path(spec.init_dir), expect=spec.model, max_context=spec.model.block_size)
     else:
         model = Llama(spec.model)
         if spec.train.zero_init_residual:

@@ -9,14 +9,13 @@ its own, so prune, recover and evaluate see the same kind of record either way.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from cpuforge.models.checkpoint import CheckpointError, load_model, save_model
 from cpuforge.models.hf_format import write_tokenizer
-from cpuforge.models.llama import Llama, config_param_count
+from cpuforge.models.llama import config_param_count
 from cpuforge.tasks import stages
 from cpuforge.tasks.config.settings import ModelConfig, TrainConfig
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, unigram_bpb, val_batches
@@ -38,13 +37,9 @@ def adopt(m: ModelConfig, t: TrainConfig, tokenized: StageRecord, source: Pretra
     started = time.perf_counter()
     model_dir = out_dir / "model"
     try:
-        model = load_model(Path(source.folder))
+        model = load_model(Path(source.folder), max_context=m.block_size)  # a transformers model's context, cut
     except CheckpointError as exc:
         raise ModelError(f"{source.origin}: {exc}") from None
-    if model.cfg.block_size > m.block_size:  # a transformers model's context, cut to the one used here
-        short = Llama(replace(model.cfg, block_size=m.block_size))
-        short.load_state_dict(model.state_dict())
-        model = short
     shards = open_shards(Path(tokenized.output_dir), model.cfg.block_size)
     if shards.vocab_size != model.cfg.vocab_size:
         raise ModelError(f"{source.origin}: the model has {model.cfg.vocab_size} token ids but its tokenizer "
