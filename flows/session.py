@@ -16,6 +16,7 @@ from prefect.runtime import flow_run as prefect_run
 from cpuforge.tasks import stages
 from cpuforge.tasks.config.resolve import ResolvedRun, resolve_run
 from cpuforge.tasks.config.settings import Config
+from cpuforge.tasks.engine.hardware import peak_rss_mb, reset_peak_rss
 from cpuforge.tasks.infra import confinement, tracking
 from cpuforge.tasks.infra.runner import stage_task
 from cpuforge.tasks.infra.stage import StageContext, StageSpec
@@ -127,6 +128,7 @@ def run_stages(order: tuple[StageSpec, ...], summary: RunSummary, ctx: StageCont
         inputs = {name: records[name] for name in spec.needs}
         extra = run.extra_key(spec)  # an unreadable data source fails the run here, before the stage starts
         try:
+            reset_peak_rss()
             state = stage_task(spec)(ctx, inputs, extra, run.source, return_state=True)
             record: StageRecord = state.result()  # re-raises the stage's exception when it failed
         except Exception as exc:
@@ -136,6 +138,8 @@ def run_stages(order: tuple[StageSpec, ...], summary: RunSummary, ctx: StageCont
             summary.stage_failed(spec.name, "cancelled", exc)
             raise
         summary.add_stage(record)
+        if record.status == "completed":  # built here, not reused
+            summary.stages[record.stage].peak_rss_mb = round(peak_rss_mb(), 1)
         records[stages.record_name(spec)] = record
     return records
 

@@ -254,6 +254,7 @@ def test_stop_after_runs_the_stages_up_to_it_and_registers_nothing(tmp_path, tex
     assert code == 0 and summary["status"] == "completed" and summary["stopped_after"] == "prune"
     assert list(summary["stages"]) == registry.names()[: registry.names().index("prune") + 1]
     assert "registry" not in summary  # nothing to register before quantize and evaluate
+    assert all(entry["peak_rss_mb"] > 0 for entry in summary["stages"].values())  # each stage built here
     assert not mlflow_client(workdir).search_registered_models()
     pruned = Path(summary["stages"]["prune"]["output_dir"]) / "model"
     assert (pruned / "model.safetensors").is_file()  # the stage's output is kept for the next run

@@ -34,6 +34,10 @@ class StageSummary(BaseModel):
     metrics: dict[str, float | int] = {}
     key: str | None = None
     mlflow_run_id: str | None = None
+    # The flow process's peak resident memory while it built the stage (not a cached one's). Work in other
+    # processes is not in it: torchrun workers (pretrain's and recover's own peak_rss_mb metric covers
+    # training) and evaluate's measuring processes (each variant's peak_rss_mb).
+    peak_rss_mb: float | None = None
 
 
 class RunSummary(BaseModel):
