@@ -92,6 +92,27 @@ def test_outside_a_prefect_run_reporting_does_nothing(tmp_path):
         pass
 
 
+def test_a_running_stage_says_where_it_is_in_the_log_with_the_time_left(monkeypatch, caplog):
+    """The terminal (and the flow run's log) gets a progress line every LOG_EVERY_S, whatever the Prefect API does."""
+    import logging
+    import uuid
+
+    clock = [1000.0]
+    monkeypatch.setattr(live.time, "monotonic", lambda: clock[0])
+    stage = live.LiveStage("quantize", uuid.uuid4(), None)
+    stage.broken = True  # no Prefect API here: the log line must not depend on it
+    with caplog.at_level(logging.INFO, logger="cpuforge.live"):
+        stage(0.1, {"phase": "quantizing"})  # at once: nothing yet, a short stage logs no progress
+        clock[0] += live.LOG_EVERY_S
+        stage(0.25, {"phase": "timing round 2 (at most 8)"})
+        clock[0] += 1
+        stage(0.3)  # within LOG_EVERY_S of the last line: nothing
+    lines = [r.getMessage() for r in caplog.records if r.name == "cpuforge.live"]
+    expected = live.format_seconds(3 * live.LOG_EVERY_S)  # a quarter done after LOG_EVERY_S: three times that left
+    assert lines == [f"quantize 25%, {live.format_seconds(live.LOG_EVERY_S)} elapsed, about {expected} left "
+                     "(phase: timing round 2 (at most 8))"]
+
+
 def test_per_step_metrics_reach_mlflow_within_seconds_not_only_every_20_steps(tmp_path):
     from mlflow import MlflowClient
 

@@ -136,6 +136,24 @@ def test_importance_beats_random_pruning_on_val_loss(shards, tmp_path):  # noqa:
     assert smart_loss < min(random_losses)
 
 
+def test_prune_reports_its_progress_batch_by_batch(tmp_path, shards):  # noqa: F811
+    from cpuforge.tasks.stages.prune import prune_stage
+
+    s = open_shards(shards, CFG.block_size)
+    save_model(Llama(replace(CFG, vocab_size=s.vocab_size)), tmp_path / "teacher" / "model")
+    teacher = StageRecord(stage="pretrain", key="p", output_dir=str(tmp_path / "teacher"),
+                          files={"model": "model", "tokenizer": str(shards / "tokenizer.json")})
+    tok = StageRecord(stage="tokenize", key="t", output_dir=str(shards), files={"tokenizer": "tokenizer.json"})
+    reports = []
+    p = load_config("tiny").prune
+    prune_stage(p, tok, teacher, tmp_path / "out", report=lambda fraction, headline=None: reports.append(
+        (fraction, headline["phase"])))
+    fractions = [f for f, _ in reports]
+    assert len(reports) == 2 * p.val_batches + p.calib_batches and fractions == sorted(fractions) and fractions[-1] == 1
+    assert [phase for i, (_, phase) in enumerate(reports) if i == 0 or reports[i - 1][1] != phase] == [
+        "scoring the model", "importance", "scoring the pruned model"]
+
+
 def test_teacher_and_student_with_different_vocabularies_are_refused(tmp_path, shards):  # noqa: F811
     records = {}
     for name, vocab in (("teacher", 300), ("student", 200)):

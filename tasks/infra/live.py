@@ -2,6 +2,8 @@
 budget or of its work done) and the stage's markdown artifact showing the live headline (tokens/s,
 last val bits per byte, time left). Both are updated in place, at most every few seconds; when the
 stage finishes, finish_stage replaces the live headline with the final numbers (same artifact).
+The same progress goes to the run's log (the terminal, and the flow run's logs in the UI) as one line
+every LOG_EVERY_S: share done, elapsed, time left, the headline.
 
 Outside a Prefect task run (a unit test, a plain function call) reporting does nothing. A failure to
 reach the Prefect API is logged once and never fails the stage: progress is a view, not the work.
@@ -24,6 +26,8 @@ log = logging.getLogger("cpuforge.live")
 # one request to the Prefect API; a 6-hour training needs no more than this. Tests set them to 0.
 PROGRESS_EVERY_S = float(os.environ.get("CPUFORGE_LIVE_PROGRESS_S", "2"))
 MARKDOWN_EVERY_S = float(os.environ.get("CPUFORGE_LIVE_MARKDOWN_S", "5"))
+# Seconds between two progress lines in the log: a stage of an hour says where it is 120 times.
+LOG_EVERY_S = float(os.environ.get("CPUFORGE_PROGRESS_LOG_S", "30"))
 
 Report = Callable[..., None]  # report(fraction, headline=None)
 
@@ -51,6 +55,14 @@ def headline_markdown(stage: str, fraction: float, elapsed_s: float, headline: d
     return "\n".join(lines)
 
 
+def progress_line(stage: str, fraction: float, elapsed_s: float, headline: dict[str, Any]) -> str:
+    """One log line: `quantize 45%, 2m10s elapsed, about 2m39s left (phase: timing round 2 ...)`."""
+    left = headline.get("time left") or (format_seconds(elapsed_s * (1 - fraction) / fraction) if fraction > 0 else "?")
+    details = ", ".join(f"{name}: {_fmt(value)}" for name, value in headline.items() if name != "time left")
+    return (f"{stage} {100 * fraction:.0f}%, {format_seconds(elapsed_s)} elapsed, about {left} left"
+            + (f" ({details})" if details else ""))
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.4g}"
@@ -66,6 +78,7 @@ class LiveStage:
         self.progress_id: UUID | None = None
         self.markdown_id: UUID | None = None
         self.last_progress = self.last_markdown = float("-inf")
+        self.last_log = time.monotonic()  # the first line after LOG_EVERY_S: a short stage logs none
         self.fraction = 0.0
         self.headline: dict[str, Any] = {}
         self.broken = False
@@ -76,9 +89,12 @@ class LiveStage:
             self.fraction = min(1.0, max(self.fraction, fraction))  # never shown going backwards
             if headline:
                 self.headline = headline
+            now = time.monotonic()
+            if now - self.last_log >= LOG_EVERY_S and self.fraction < 1:
+                log.info("%s", progress_line(self.stage, self.fraction, now - self.started, self.headline))
+                self.last_log = now
             if self.broken:
                 return
-            now = time.monotonic()
             try:
                 if force or now - self.last_progress >= PROGRESS_EVERY_S:
                     self._progress()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from cpuforge.tasks import stages
 from cpuforge.tasks.config.settings import PruneConfig
 from cpuforge.tasks.engine.data import BatchSampler, open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.validation import evaluate
+from cpuforge.tasks.infra import live
 from cpuforge.tasks.infra.stage import StageOutput, StageRun, key_config
 from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.records.errors import ConfigError
@@ -110,22 +112,38 @@ def calibration_batches(train, p: PruneConfig, block_size: int) -> list[torch.Te
 
 
 def work(run: StageRun, prune: PruneConfig) -> StageOutput:
-    return prune_stage(prune, run.inputs["tokenize"], run.inputs["pretrain"], run.out_dir)
+    return prune_stage(prune, run.inputs["tokenize"], run.inputs["pretrain"], run.out_dir, run.report)
 
 
-def prune_stage(p: PruneConfig, tokenized: StageRecord, pretrained: StageRecord, out_dir: Path) -> StageOutput:
+def batch_progress(report: live.Report, total: int) -> Callable[[str], Callable[[], None]]:
+    """`phase(name)` -> a callback for one forward batch of that phase, reporting the share of all batches done."""
+    done = [0]
+
+    def phase(name: str) -> Callable[[], None]:
+        def one_batch() -> None:
+            done[0] += 1
+            report(done[0] / total, {"phase": name, "batches": f"{done[0]} of {total}"})
+        return one_batch
+
+    return phase
+
+
+def prune_stage(p: PruneConfig, tokenized: StageRecord, pretrained: StageRecord, out_dir: Path,
+                report: live.Report = live.nothing) -> StageOutput:
     started = time.perf_counter()
     teacher = load_model(pretrained.path("model"))
     target = target_config(teacher.cfg, p)
     shards = open_shards(Path(tokenized.output_dir), teacher.cfg.block_size)
     lengths = token_byte_lengths(shards.tokenizer_path)
     val = val_batches(shards.val, p.val_batches, p.batch_size, teacher.cfg.block_size)
-    _, bpb_before = evaluate(teacher, val, lengths)
+    phase = batch_progress(report, 2 * len(val) + p.calib_batches)  # forward passes: all of the stage's time
+    _, bpb_before = evaluate(teacher, val, lengths, on_batch=phase("scoring the model"))
 
-    imp = activation_importance(teacher, calibration_batches(shards.train, p, teacher.cfg.block_size))
+    imp = activation_importance(teacher, calibration_batches(shards.train, p, teacher.cfg.block_size),
+                                on_batch=phase("importance"))
     keep = choose_keep(teacher.cfg, imp, target)
     student = prune(teacher, keep)
-    _, bpb_after = evaluate(student, val, lengths)
+    _, bpb_after = evaluate(student, val, lengths, on_batch=phase("scoring the pruned model"))
 
     save_model(student, out_dir / "model")
     write_tokenizer(out_dir / "model", pretrained.path("tokenizer"), shards.meta["eod_token"], shards.eod_id)
