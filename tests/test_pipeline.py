@@ -67,7 +67,10 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
     model_dir = Path(pre["output_dir"]) / "model"
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= {p.name for p in model_dir.iterdir()}
     samples = (Path(first["stages"]["evaluate"]["output_dir"]) / "samples.txt").read_text()
-    assert all(f"=== {variant}, prompt: 'def '" in samples for variant in ("pretrained", "pruned", "onnx-int8"))
+    prompts = first["stages"]["evaluate"]["sample_prompts"]  # the opening words of val documents: the corpus' own
+    corpus_text = " ".join(f.read_text(encoding="utf-8", errors="replace") for f in text_corpus.rglob("*.*"))
+    assert prompts and all(p.strip() and p.split()[0] in corpus_text for p in prompts)
+    assert all(f"=== {variant}, prompt: {prompts[0]!r}" in samples for variant in ("pretrained", "pruned", "onnx-int8"))
     pruned, recovered = first["stages"]["prune"]["metrics"], first["stages"]["recover"]["metrics"]
     assert pruned["params_before"] == pre["metrics"]["params"]
     assert pruned["params_after"] <= pruned["params_before"] / 2

@@ -7,6 +7,7 @@ import argparse
 import errno
 import logging
 import os
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -226,7 +227,9 @@ def print_summary(summary) -> None:
     console.print(table)
     uri = summary.mlflow_tracking_uri or ""
     if summary.registry:
-        print_registry(console, summary.registry, uri)
+        evaluated = summary.stages.get("evaluate")
+        prompts = (evaluated.model_extra or {}).get("sample_prompts") if evaluated else None
+        print_registry(console, summary.registry, uri, prompts[0] if prompts else "The ")
     console.print(f"summary: {Path(summary.run_dir) / 'summary.json'}")
     if uri.startswith("sqlite:"):
         console.print(f"MLflow UI: mlflow ui --backend-store-uri {uri}  (then open http://127.0.0.1:5000)")
@@ -234,12 +237,12 @@ def print_summary(summary) -> None:
         console.print(f"MLflow: {uri} (parent run {summary.mlflow_run_id})")
 
 
-def print_registry(console, registry: dict[str, Any], uri: str) -> None:
+def print_registry(console, registry: dict[str, Any], uri: str, prompt: str) -> None:
     console.print(f"registry: {registry['model_uri']} (aliases: {', '.join(registry['aliases']) or 'none'}) "
                   f"{registry['decision']}: {registry['reason']}")
     default = f"sqlite:///{(Path('cpuforge-runs') / 'mlflow.db').resolve()}"
     store = "" if uri == default else f" --tracking-uri {uri}"
-    console.print(f"try it: cpuforge generate --model {registry['champion_uri']}{store} --prompt 'def '")
+    console.print(f"try it: cpuforge generate --model {registry['champion_uri']}{store} --prompt {shlex.quote(prompt)}")
     if registry.get("serve"):
         console.print(f"serve it: MLFLOW_TRACKING_URI={uri} {registry['serve']} --port 5001")
 

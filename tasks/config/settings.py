@@ -344,7 +344,8 @@ class EvalConfig(Section):
     batch_sizes: list[int] = Field([1, 8], min_length=1, description="Batch sizes for prefill speed (full context).")
     decode_tokens: int = Field(64, gt=0, description="Tokens generated to time decoding.")
     prompts: list[Annotated[str, Field(min_length=1)]] = Field(
-        ["def ", "import ", "class "], description="Fixed prompts for samples.")
+        [], description="Fixed prompts for samples; empty (the default): the opening words of three validation "
+        "documents, so the samples are in the corpus' own language.")
     max_new_tokens: int = Field(80, gt=0, description="Length of each sample.")
 
 

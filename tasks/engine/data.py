@@ -50,6 +50,27 @@ def open_shards(folder: Path, block_size: int) -> Shards:
     return Shards(arrays["train"], arrays["val"], meta, folder / "tokenizer.json")
 
 
+def corpus_prompts(shards: Shards, n: int = 3, words: int = 3, scan_tokens: int = 1 << 20) -> list[str]:
+    """Prompts in the corpus' own words: the opening words of `n` validation documents spread over the
+    split (a sample of prose from a prose corpus, of code from code). Each ends in a space or the
+    opening line's end, so the model writes the next word."""
+    val = np.asarray(shards.val[:scan_tokens])
+    starts = [0, *(np.flatnonzero(val == shards.eod_id) + 1).tolist()]
+    starts = [s for s in starts if s < len(val) - 1]
+    tokenizer = Tokenizer.from_file(str(shards.tokenizer_path))
+    prompts: list[str] = []
+    for i in range(n):
+        start = starts[i * len(starts) // n]
+        ids = val[start:start + 64].tolist()
+        ids = ids[:ids.index(shards.eod_id)] if shards.eod_id in ids else ids
+        line = next((line for line in tokenizer.decode(ids).splitlines() if line.strip()), "")
+        opening = line.split()[:words]
+        prompt = " ".join(opening) + (" " if len(line.split()) > words else "")
+        if prompt.strip() and prompt not in prompts:
+            prompts.append(prompt)
+    return prompts or [tokenizer.decode(val[:8].tolist()) or "The "]
+
+
 class BatchSampler:
     """Random windows of a shard. Batch (step, micro) on a rank is a pure function of the seed,
     so the data position to resume from is just the step number. Each rank draws from its own

@@ -30,6 +30,7 @@ from prefect.context import TaskRunContext
 from cpuforge.models.fileio import atomic_write_json, atomic_write_text
 from cpuforge.tasks import stages
 from cpuforge.tasks.config.settings import EvalConfig
+from cpuforge.tasks.engine.data import corpus_prompts, open_shards
 from cpuforge.tasks.engine.hardware import available_cores
 from cpuforge.tasks.infra import live, tracking
 from cpuforge.tasks.infra.stage import StageOutput, StageRun
@@ -76,7 +77,8 @@ def evaluate(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Path], out_
     """Every variant measured alike; ``report(fraction, headline)`` follows it variant by variant
     (the speed rounds over all of them count as one more)."""
     started = time.perf_counter()
-    variants = measure_variants(e, tokenized, paths, report)
+    prompts = e.prompts or corpus_prompts(open_shards(Path(tokenized.output_dir), 0))
+    variants = measure_variants(e, tokenized, paths, prompts, report)
     metrics = evaluate_metrics(variants, e.batch_sizes)
 
     atomic_write_json(out_dir / "variants.json", variants)
@@ -94,12 +96,12 @@ def evaluate(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Path], out_
         files={"variants": "variants.json", "report": "report.md", "samples": "samples.txt",
                "plot": "quality_vs_size_speed.png"},
         artifacts=["variants.json", "report.md", "samples.txt", "quality_vs_size_speed.png"],
-        summary={"variants": [{k: v[k] for k in SUMMARY_KEYS} for v in variants]},
+        summary={"variants": [{k: v[k] for k in SUMMARY_KEYS} for v in variants], "sample_prompts": prompts},
         info={"final_model": str(paths[FINAL])},
     )
 
 
-def measure_variants(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Path],
+def measure_variants(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Path], prompts: list[str],
                      report: live.Report) -> list[dict[str, Any]]:
     """Each variant's quality, size and samples in a fresh process of its own, then the speeds of all of
     them in one process, timed in alternation."""
@@ -110,7 +112,7 @@ def measure_variants(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Pat
                                                               for v in variants}}, force=i == 0)
         result = _measure_in_fresh_process(
             name, model_path=str(path), tokenize_dir=tokenized.output_dir, max_tokens=e.max_tokens, batch_sizes=e.batch_sizes,
-            prompts=e.prompts, max_new_tokens=e.max_new_tokens, threads=available_cores(), seed=SAMPLE_SEED)
+            prompts=prompts, max_new_tokens=e.max_new_tokens, threads=available_cores(), seed=SAMPLE_SEED)
         variants.append({"variant": name, **result})
     report(len(paths) / steps, {"phase": "timing every variant in alternation",
                                 **{f"{v['variant']} val bits per byte": v["val_bpb"] for v in variants}})
