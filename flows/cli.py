@@ -11,6 +11,7 @@ from collections.abc import Callable
 from cpuforge.flows.commands import build, config, inference, listing
 from cpuforge.flows.commands.common import HelpFormatter, examples, wrap
 from cpuforge.flows.commands.inference import terminal_safe  # noqa: F401  (tests and scripts import it from here)
+from cpuforge.tasks import stages
 from cpuforge.tasks.records.errors import UserError
 
 # Prefect's ephemeral local API needs ~20 s to start on a busy 2-core machine (its default
@@ -69,10 +70,9 @@ def _version() -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cpuforge", formatter_class=HelpFormatter,
-        description=wrap("Train small language models on CPUs alone: tokenize -> pretrain -> prune -> recover "
-                         "(distillation) -> export ONNX -> quantize int8 -> evaluate -> register in MLflow, as a "
-                         "Prefect flow. Every stage's output is kept in the work folder and reused by the next "
-                         "run that needs it. `cpuforge COMMAND --help` explains each command."),
+        description=wrap(f"Train small language models on CPUs alone: {' -> '.join(stages.names())} -> register in "
+                         "MLflow, as a Prefect flow. Every stage's output is kept in the work folder and reused by "
+                         "the next run that needs it. `cpuforge COMMAND --help` explains each command."),
         epilog=examples("cpuforge run --profile tiny            # the whole pipeline in a few minutes",
                         "cpuforge config --explain --profile demo   # every setting, what it does, its value",
                         "cpuforge generate --model models:/cpuforge-lm@champion --prompt 'def '"))

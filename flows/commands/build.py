@@ -54,8 +54,11 @@ def add_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def add_compress(sub: argparse._SubParsersAction) -> None:
-    comp = add_command(sub, "compress", "prune, recover, export, quantize, evaluate and register an existing pretrained "
-                       "model", "No pretraining: the model comes from --pretrained, the data (for calibration, "
+    from cpuforge.tasks import stages
+
+    after_adopt = stages.names(stages.COMPRESS)[stages.COMPRESS.index(stages.ADOPT) + 1:]
+    comp = add_command(sub, "compress", f"{', '.join(after_adopt)} and register an existing pretrained model",
+                       "No pretraining: the model comes from --pretrained, the data (for calibration, "
                        "distillation and evaluation) from the config.",
                        ("cpuforge compress --profile tiny   # the registered champion's pretrained weights",
                         "cpuforge compress --pretrained runs:/RUN_ID/model --set prune.keep_ratio=0.3",
