@@ -46,6 +46,8 @@ def candidates(value, annotation):
     if isinstance(value, tuple):
         return [tuple(v * 0.9 for v in value)]
     if isinstance(value, list):
+        if not value:  # an empty list (eval.prompts' default): one item of either kind
+            return [["x"], [1]]
         return [value[:1] if len(value) > 1 else [*value, *value]]
     if isinstance(value, str):
         return [value + "x"]
