@@ -219,9 +219,9 @@ def check_deploy_stages(summary: dict, client, workdir: Path) -> None:
     assert {"variants_table.json", "report.md", "quality_vs_size_speed.png"} <= {
         a.path for a in client.list_artifacts(eval_run.info.run_id)}
 
-    registry = summary["registry"]
-    assert registry["version"] == "1" and registry["decision"] == "promoted"
-    assert registry["aliases"] == ["candidate", "champion"] and registry["reason"] == "there is no champion yet"
+    gate = summary["registry"]
+    assert gate["version"] == "1" and gate["decision"] == "promoted"
+    assert gate["aliases"] == ["candidate", "champion"] and gate["reason"] == "there is no champion yet"
     version = client.get_model_version_by_alias("cpuforge-lm", "champion")
     assert str(version.version) == "1" and version.tags["cpuforge.gate_decision"] == "promoted"
     from cpuforge.tasks.release.register import open_model
