@@ -17,7 +17,6 @@ from cpuforge.flows.session import (
     register_final,
     resolve_flow_run,
     run_stages,
-    stages_to_run,
 )
 from cpuforge.tasks import stages
 from cpuforge.tasks.release.lineage import CHAMPION, find_source_task
@@ -69,9 +68,6 @@ def compress(
     find = partial(find_source_task, pretrained)
     with flow_session("compress", run, workdir, summary_path, find_pretrained=find, adopt_shape=True,
                       rebuild=rebuild_set(rebuild, stages.COMPRESS)) as (summary, ctx):
-        order = stages_to_run(stages.COMPRESS, stop_after)
-        if stop_after:
-            summary.stopped_after = order[-1].name
-        records = run_stages(order, summary, ctx, run)
+        records = run_stages(stages.COMPRESS, summary, ctx, run, stop_after)
         register_final(summary, ctx, records, run.source)
     return summary.as_json()

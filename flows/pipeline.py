@@ -16,7 +16,6 @@ from cpuforge.flows.session import (
     register_final,
     resolve_flow_run,
     run_stages,
-    stages_to_run,
 )
 from cpuforge.tasks import stages
 from cpuforge.tasks.release.lineage import HF_PREFIX, find_init_task
@@ -71,9 +70,6 @@ def pipeline(
     adopt_shape = (run.cfg.train.init_from or "").startswith(HF_PREFIX)
     with flow_session("pipeline", run, workdir, summary_path, find_pretrained=find, adopt_shape=adopt_shape,
                       rebuild=rebuild_set(rebuild, stages.PIPELINE)) as (summary, ctx):
-        order = stages_to_run(stages.PIPELINE, stop_after)
-        if stop_after:
-            summary.stopped_after = order[-1].name
-        records = run_stages(order, summary, ctx, run)
+        records = run_stages(stages.PIPELINE, summary, ctx, run, stop_after)
         register_final(summary, ctx, records, run.source)
     return summary.as_json()

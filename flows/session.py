@@ -119,11 +119,14 @@ def flow_session(
 
 
 def run_stages(order: tuple[StageSpec, ...], summary: RunSummary, ctx: StageContext,
-               run: ResolvedRun) -> dict[str, StageRecord]:
-    """Run the stages in the registry's order, each as its Prefect task given the records of the stages it
-    needs, and add each record to the summary (a failure is recorded, then re-raised). Returns every
-    record by the name later stages know it by (adopt's as "pretrain")."""
+               run: ResolvedRun, stop_after: str = "") -> dict[str, StageRecord]:
+    """Run the stages in the registry's order (up to `stop_after`, if given), each as its Prefect task given
+    the records of the stages it needs, and add each record to the summary (a failure is recorded, then
+    re-raised). Returns every record by the name later stages know it by (adopt's as "pretrain")."""
     records: dict[str, StageRecord] = {}
+    if stop_after:
+        order = stages_to_run(order, stop_after)
+        summary.stopped_after = order[-1].name
     for spec in order:
         inputs = {name: records[name] for name in spec.needs}
         extra = run.extra_key(spec)  # an unreadable data source fails the run here, before the stage starts
