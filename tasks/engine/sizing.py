@@ -93,12 +93,14 @@ def measure_shapes(shapes: list[LlamaConfig], batch: int, threads: int, dtype: t
     """Training tokens/s (step_timing.training_step_timer: the step as the run takes it) of each shape, best
     of `rounds` steps taken round-robin across the shapes. With max_step_s, a shape whose warm-up step took longer
     (and every larger one after it) is not timed, once MIN_MEASURED are: None."""
+    from cpuforge.tasks.engine.allocator import release_free_memory
     from cpuforge.tasks.engine.step_timing import training_step_timer
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
+    timed: list = []
+    step = None
     try:
-        timed = []
         # Warm-up: first-call allocations and kernel selection. Shapes are built one by one, so a shape
         # too slow to time stops the ladder before its bigger rungs take memory.
         for cfg in shapes:
@@ -114,6 +116,11 @@ def measure_shapes(shapes: list[LlamaConfig], batch: int, threads: int, dtype: t
         return rates + [None] * (len(shapes) - len(timed))
     finally:
         torch.set_num_threads(previous)
+        # The shapes, their optimizers and activations: freed, then given back to the OS, or the run's process
+        # keeps the biggest shape's gigabytes through every stage after it (the allocator is set to keep them).
+        timed.clear()
+        step = None  # noqa: F841 (drops the last shape's step, which holds its model)
+        release_free_memory()
 
 
 def throughput(shapes: list[LlamaConfig], batch: int, threads: int, dtype: torch.dtype,
