@@ -17,6 +17,7 @@ from cpuforge.flows.session import (
     register_final,
     resolve_flow_run,
     run_stages,
+    stages_to_run,
 )
 from cpuforge.tasks import stages
 from cpuforge.tasks.release.lineage import CHAMPION, find_source_task
@@ -66,6 +67,7 @@ def compress(
                            data_source=data_source, keep_ratio=keep_ratio, prune_strategy=prune_strategy,
                            recover_minutes=recover_minutes)
     find = partial(find_source_task, pretrained)
+    stages_to_run(stages.COMPRESS, stop_after)  # a stage name that does not exist fails before the run opens
     with flow_session("compress", run, workdir, summary_path, find_pretrained=find, adopt_shape=True,
                       rebuild=rebuild_set(rebuild, stages.COMPRESS)) as (summary, ctx):
         records = run_stages(stages.COMPRESS, summary, ctx, run, stop_after)

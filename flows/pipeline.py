@@ -16,6 +16,7 @@ from cpuforge.flows.session import (
     register_final,
     resolve_flow_run,
     run_stages,
+    stages_to_run,
 )
 from cpuforge.tasks import stages
 from cpuforge.tasks.release.lineage import HF_PREFIX, find_init_task
@@ -68,6 +69,7 @@ def pipeline(
     find = find_init_task if run.cfg.train.init_from else None
     # A transformers checkpoint brings its own shape (as compress adopts it); cpuforge's own weights must match model.*
     adopt_shape = (run.cfg.train.init_from or "").startswith(HF_PREFIX)
+    stages_to_run(stages.PIPELINE, stop_after)  # a stage name that does not exist fails before the run opens
     with flow_session("pipeline", run, workdir, summary_path, find_pretrained=find, adopt_shape=adopt_shape,
                       rebuild=rebuild_set(rebuild, stages.PIPELINE)) as (summary, ctx):
         records = run_stages(stages.PIPELINE, summary, ctx, run, stop_after)

@@ -108,3 +108,14 @@ def test_mlflow_only_through_the_infrastructure_and_models_stay_pure():
                 assert rel.startswith("tasks/infra/"), f"{rel} imports mlflow: go through tasks/infra/tracking.py"
             if rel.startswith("models/"):
                 assert not _imports_package(path, "prefect") and not _imports_package(path, "mlflow"), rel
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml names the packages one by one: a folder left out installs in editable mode (which maps
+    the top folders) and is missing from a wheel, so `cpuforge` fails to start after `pip install .`."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(("cpuforge", *init.parent.relative_to(ROOT).parts))
+             for package in PROJECT_PACKAGES for init in (ROOT / package).rglob("__init__.py")}
+    assert found == listed, f"add to pyproject.toml: {sorted(found - listed)}; remove: {sorted(listed - found)}"

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer
 
 from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.data.corpus import list_source_files, load_corpus, stage_extra_key, stdlib_root
@@ -258,3 +259,22 @@ def test_encode_runner_auto_takes_one_process_where_a_pool_is_not_faster(monkeyp
     assert parallel_encode.choose_runner(DataConfig())[0] == "process"
     assert parallel_encode.choose_runner(DataConfig(encode_workers=2))[0] == "single"
     assert parallel_encode.choose_runner(DataConfig(dask_address="tcp://127.0.0.1:8786"))[0] == "dask"
+
+
+def test_sample_prompts_are_the_corpus_own_opening_words_and_short(tmp_path):
+    """evaluate's default prompts: the opening words of validation documents, cut to a few tokens even where a
+    document opens with one long 'word' (a banner, a URL), so a prompt always fits the context."""
+    from cpuforge.tasks.engine.data import corpus_prompts, open_shards
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(30):
+        opening = "#" * 300 if i % 2 else f"Chapter {i} begins here"
+        (corpus / f"{i:02d}.txt").write_text(f"{opening}\n" + make_text(i, 20))
+    out, _, _ = run_tokenize(tmp_path, corpus, "data.val_fraction=0.3")
+    shards = open_shards(out, 0)
+    prompts = corpus_prompts(shards, max_tokens=16)
+    tokenizer = Tokenizer.from_file(str(shards.tokenizer_path))
+    assert prompts and all(p.strip() for p in prompts)
+    assert all(len(tokenizer.encode(p).ids) <= 16 for p in prompts)
+    assert all(p.startswith("Chapter ") or set(p) == {"#"} for p in prompts)

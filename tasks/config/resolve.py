@@ -69,6 +69,8 @@ class ResolvedRun:
         tokenizer.vocab_size (the prune stage computes the real target from the model it prunes)."""
         if self.cfg.model.unresolved:  # model.size=auto: the shape is chosen when the run starts; prune checks it then
             return
+        if (self.cfg.train.init_from or "").startswith(HF_PREFIX):  # a transformers checkpoint brings its own shape
+            return
         from cpuforge.tasks.stages.prune import target_config
 
         target_config(self.cfg.model.shape(self.cfg.tokenizer.vocab_size), self.cfg.prune)

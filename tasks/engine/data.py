@@ -50,10 +50,12 @@ def open_shards(folder: Path, block_size: int) -> Shards:
     return Shards(arrays["train"], arrays["val"], meta, folder / "tokenizer.json")
 
 
-def corpus_prompts(shards: Shards, n: int = 3, words: int = 3, scan_tokens: int = 1 << 20) -> list[str]:
+def corpus_prompts(shards: Shards, n: int = 3, words: int = 3, max_tokens: int = 16,
+                   scan_tokens: int = 1 << 20) -> list[str]:
     """Prompts in the corpus' own words: the opening words of `n` validation documents spread over the
     split (a sample of prose from a prose corpus, of code from code). Each ends in a space or the
-    opening line's end, so the model writes the next word."""
+    opening line's end, so the model writes the next word; at most `max_tokens` tokens (a banner line
+    or a long URL has no words to stop at, and a prompt must fit well inside the context)."""
     val = np.asarray(shards.val[:scan_tokens])
     starts = [0, *(np.flatnonzero(val == shards.eod_id) + 1).tolist()]
     starts = [s for s in starts if s < len(val) - 1]
@@ -66,9 +68,13 @@ def corpus_prompts(shards: Shards, n: int = 3, words: int = 3, scan_tokens: int 
         line = next((line for line in tokenizer.decode(ids).splitlines() if line.strip()), "")
         opening = line.split()[:words]
         prompt = " ".join(opening) + (" " if len(line.split()) > words else "")
+        encoded = tokenizer.encode(prompt).ids
+        if len(encoded) > max_tokens:
+            prompt = tokenizer.decode(encoded[:max_tokens])
         if prompt.strip() and prompt not in prompts:
             prompts.append(prompt)
-    return prompts or [tokenizer.decode(val[:8].tolist()) or "The "]
+    fallback = tokenizer.decode(val[:8].tolist())
+    return prompts or [fallback if fallback.strip() else "The "]
 
 
 class BatchSampler:

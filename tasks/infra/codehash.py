@@ -159,10 +159,14 @@ def _helpers_used(module: str) -> frozenset[str]:
     _, classes = _declarations()
     types = {CONFIG_CLASS, *classes.values()}
     used: set[str] = set()
+    package, _, leaf = DECLARATIONS.rpartition(".")
     for name in module_closure(module):
         for node in ast.walk(ast.parse(_source_file(name).read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and node.module == DECLARATIONS:
                 used.update(alias.name for alias in node.names if alias.name not in types)
+            elif (isinstance(node, ast.Import) and any(a.name == DECLARATIONS for a in node.names)) or (
+                    isinstance(node, ast.ImportFrom) and node.module == package and any(a.name == leaf for a in node.names)):
+                used.update(n for n in _declarations()[0] if n not in types)  # the module itself: any name may be read
     return frozenset(used)
 
 
