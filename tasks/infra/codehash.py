@@ -56,15 +56,20 @@ def _is_project(name: str) -> bool:
 
 
 @functools.cache
+def _tree(module: str) -> ast.Module:
+    """A project module's syntax tree, parsed once however many closures and questions read it."""
+    return ast.parse(_source_file(module).read_text(encoding="utf-8"))
+
+
+@functools.cache
 def _imports(module: str) -> frozenset[str]:
     """Project modules named by the import statements of one module (relative imports resolved)."""
     path = _source_file(module)
     if path is None:
         return frozenset()
-    source = path.read_text(encoding="utf-8")
-    package = module if path is not None and path.name == "__init__.py" else module.rpartition(".")[0]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(_tree(module)):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -95,9 +100,8 @@ def module_closure(module: str) -> frozenset[str]:
 @functools.cache
 def _declarations() -> tuple[dict[str, ast.AST], dict[str, str]]:
     """The config module's top-level definitions by name, and each section's class name (Config's fields)."""
-    tree = ast.parse(_source_file(DECLARATIONS).read_text(encoding="utf-8"))
     defined: dict[str, ast.AST] = {}
-    for node in tree.body:
+    for node in _tree(DECLARATIONS).body:
         if isinstance(node, ast.FunctionDef | ast.ClassDef):
             defined[node.name] = node
         elif isinstance(node, ast.Assign | ast.AnnAssign):
@@ -161,7 +165,7 @@ def _helpers_used(module: str) -> frozenset[str]:
     used: set[str] = set()
     package, _, leaf = DECLARATIONS.rpartition(".")
     for name in module_closure(module):
-        for node in ast.walk(ast.parse(_source_file(name).read_text(encoding="utf-8"))):
+        for node in ast.walk(_tree(name)):
             if isinstance(node, ast.ImportFrom) and node.module == DECLARATIONS:
                 used.update(alias.name for alias in node.names if alias.name not in types)
             elif (isinstance(node, ast.Import) and any(a.name == DECLARATIONS for a in node.names)) or (

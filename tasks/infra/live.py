@@ -46,8 +46,13 @@ def format_seconds(seconds: float) -> str:
     return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
+def _time_left(fraction: float, elapsed_s: float, headline: dict[str, Any]) -> str:
+    """The stage's own estimate (a training's), else elapsed time scaled by the share still to do."""
+    return headline.get("time left") or (format_seconds(elapsed_s * (1 - fraction) / fraction) if fraction > 0 else "?")
+
+
 def headline_markdown(stage: str, fraction: float, elapsed_s: float, headline: dict[str, Any]) -> str:
-    left = headline.get("time left") or (format_seconds(elapsed_s * (1 - fraction) / fraction) if fraction > 0 else "?")
+    left = _time_left(fraction, elapsed_s, headline)
     lines = [f"### {stage} — running, {100 * fraction:.0f}%", "",
              f"- elapsed: {format_seconds(elapsed_s)}, time left: {left}"]
     lines += [f"- {name}: {_fmt(value)}" for name, value in headline.items() if name != "time left"]
@@ -57,7 +62,7 @@ def headline_markdown(stage: str, fraction: float, elapsed_s: float, headline: d
 
 def progress_line(stage: str, fraction: float, elapsed_s: float, headline: dict[str, Any]) -> str:
     """One log line: `quantize 45%, 2m10s elapsed, about 2m39s left (phase: timing round 2 ...)`."""
-    left = headline.get("time left") or (format_seconds(elapsed_s * (1 - fraction) / fraction) if fraction > 0 else "?")
+    left = _time_left(fraction, elapsed_s, headline)
     details = ", ".join(f"{name}: {_fmt(value)}" for name, value in headline.items() if name != "time left")
     return (f"{stage} {100 * fraction:.0f}%, {format_seconds(elapsed_s)} elapsed, about {left} left"
             + (f" ({details})" if details else ""))
