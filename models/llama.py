@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from cpuforge.models.config import LlamaConfig
+from cpuforge.models.distill_head import Distillation, distillation_head_loss
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v) of shape (B, n_kv_head, T, head_dim)
 
@@ -150,11 +151,14 @@ class Llama(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx: torch.Tensor, cache: KVCache | None = None, start: int = 0,
-                targets: torch.Tensor | None = None) -> tuple[torch.Tensor, KVCache]:
+                targets: torch.Tensor | None = None, distill: Distillation | None = None,
+                hidden: bool = False) -> tuple[torch.Tensor, KVCache]:
         """Logits for every position, and the updated KV cache. `start` is the position of idx[:, 0].
         Given `targets` (idx's shape), the mean cross-entropy in fp32 takes the logits' place (the
-        training loss, computed in LOSS_CHUNKS slices); it goes through forward so that DDP, FSDP and
-        torch.compile see it."""
+        training loss, computed in LOSS_CHUNKS slices); given `distill` too, the tuple (loss, kd, lm) of
+        distillation's fused head loss (models/distill_head.py) does. Losses go through forward so that
+        DDP, FSDP and torch.compile see them. `hidden`: the final hidden states (after the norm) instead
+        of logits, the teacher's share of a fused distillation loss."""
         T = idx.shape[1]
         if start + T > self.cfg.block_size:
             raise ValueError(f"sequence of {start + T} tokens exceeds the context of {self.cfg.block_size}")
@@ -169,6 +173,12 @@ class Llama(nn.Module):
                 x, kv = block(x, cos, sin, layer_cache)
             new_cache.append(kv)
         h = self.norm(x)
+        if hidden:
+            return h, new_cache
+        if distill is not None:
+            if targets is None:
+                raise ValueError("distill needs the targets: its loss includes the next-token cross-entropy")
+            return distillation_head_loss(h, self.lm_head.weight, targets, distill), new_cache
         if targets is None:
             return self.lm_head(h), new_cache
         h, targets = h.view(-1, h.size(-1)), targets.reshape(-1)

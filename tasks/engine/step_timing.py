@@ -25,9 +25,9 @@ AB_ROUNDS = 3  # timed steps per precision, alternating, after one warm-up step 
 def training_step_timer(model_cfg, batch: int, optimizer: str = "adamw", teacher_cfg=None,
                         activation_checkpointing: bool = False, compiled: bool = False):
     """A function dtype -> seconds of one real training step of this model shape as the run will take it:
-    forward and the trainer's loss (the sliced cross-entropy; with a teacher, recovery's distillation loss
-    over both models' full logits), backward (recomputing activations under activation checkpointing)
-    and the run's optimizer (AdamW, or Muon for the blocks' matrices, its Newton-Schulz in the step's
+    forward and the trainer's loss (the sliced cross-entropy; with a teacher, recovery's distillation loss:
+    the teacher's forward, both models' logits fused at the student's head), backward (recomputing activations
+    under activation checkpointing) and the run's optimizer (AdamW, or Muon for the blocks' matrices, its Newton-Schulz in the step's
     precision), bf16 meaning autocast as the trainer runs it; ``compiled``: with the model's forward under
     torch.compile, as train.compile does it (the first step compiles). Call it under the thread count being
     measured."""
@@ -47,7 +47,7 @@ def training_step_timer(model_cfg, batch: int, optimizer: str = "adamw", teacher
         model.forward = torch.compile(model.forward)  # type: ignore[method-assign]
     teacher = Llama(teacher_cfg).eval() if teacher_cfg is not None else None
     opt = build_optimizer(model, optimizer, lr=1e-5)
-    # the trainer's loss: recovery's distillation (full logits and the teacher's), else lm_loss
+    # the trainer's loss: recovery's distillation (the teacher's forward and the fused head loss), else lm_loss
     loss_fn = distillation_loss(teacher, 2.0, 0.5, 0.5) if teacher is not None else lm_loss  # weights: cost-neutral
 
     def step(dtype: torch.dtype = torch.float32) -> float:
@@ -75,7 +75,8 @@ def step_key(model_cfg, batch: int, threads: int, teacher_cfg=None, optimizer: s
     """A measurement cache's key for one training step on this machine: CPU, threads, the model's and the
     teacher's shapes, batch, optimizer and recompute, torch version."""
     shape = json.dumps(model_cfg.to_dict(), sort_keys=True)
-    teacher = json.dumps(teacher_cfg.to_dict(), sort_keys=True) if teacher_cfg is not None else "-"
+    # "fused:": steps timed with the distillation loss that made full logits (a slower step) are not reused
+    teacher = "fused:" + json.dumps(teacher_cfg.to_dict(), sort_keys=True) if teacher_cfg is not None else "-"
     step = step_signature(optimizer, activation_checkpointing)
     return f"{hardware.cpu_model()}|{threads}|{shape}|{teacher}|{batch}|{step}|{torch.__version__}"
 
