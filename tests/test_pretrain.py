@@ -396,35 +396,74 @@ def test_mfu_divides_by_the_peak_of_the_chosen_precision(shards, tmp_path, monke
         assert training_run.precision_params(spec)["matmul_peak_dtype"] == spec.dtype
 
 
+def fake_step_timer(per_sequence: dict, timed: list, noise=lambda: 1.0):
+    """A training_step_timer stand-in: a step of `rows` sequences takes rows x per_sequence[dtype] seconds
+    (times noise()); each timer built is recorded in `timed`."""
+    def timer(model_cfg, batch, optimizer="adamw", teacher_cfg=None, activation_checkpointing=False):
+        timed.append([])
+        return lambda dtype=torch.float32, rows=None: timed[-1].append((dtype, rows)) or \
+            (rows or batch) * per_sequence[dtype] * noise()
+    return timer
+
+
 def test_auto_precision_is_a_measured_ab_cached_per_shape(tmp_path, monkeypatch):
     import cpuforge.tasks.engine.hardware as hardware
     import cpuforge.tasks.engine.step_timing as step_timing
 
     timed = []
-
-    def fake_steps(model_cfg, batch, threads, dtypes, teacher_cfg=None, optimizer="adamw",
-                   activation_checkpointing=False):
-        timed.append(dtypes)
-        return {torch.float32: 1000.0, torch.bfloat16: 1800.0}
-
-    monkeypatch.setattr(step_timing, "time_training_steps", fake_steps)
+    monkeypatch.setattr(step_timing, "training_step_timer",
+                        fake_step_timer({torch.float32: 16 / 1000, torch.bfloat16: 16 / 1800}, timed))
     monkeypatch.setattr(hardware, "has_native_bf16", lambda: True)
     chosen = step_timing.choose_precision("auto", SMALL, 4, 2, tmp_path)
     assert chosen["dtype"] == "bfloat16" and chosen["fp32_tok_s"] == 1000.0 and chosen["bf16_tok_s"] == 1800.0
+    assert chosen["ab_batch"] == 4 and {rows for _, rows in timed[0]} == {4}  # no budget given: the run's batch
     assert step_timing.choose_precision("auto", SMALL, 4, 2, tmp_path) == chosen and len(timed) == 1  # cached
     step_timing.choose_precision("auto", SMALL, 8, 2, tmp_path)  # another batch is another decision
     assert len(timed) == 2
     step_timing.choose_precision("auto", SMALL, 8, 2, tmp_path, optimizer="muon")  # and another optimizer
     assert len(timed) == 3
 
-    monkeypatch.setattr(step_timing, "time_training_steps", lambda *a, **k: {torch.float32: 1000.0, torch.bfloat16: 1020.0})
+    monkeypatch.setattr(step_timing, "training_step_timer",
+                        fake_step_timer({torch.float32: 16 / 1000, torch.bfloat16: 16 / 1020}, timed))
     assert step_timing.choose_precision("auto", SMALL, 16, 2, tmp_path)["dtype"] == "float32"  # a draw is fp32's
 
     monkeypatch.setattr(hardware, "has_native_bf16", lambda: False)
-    monkeypatch.setattr(step_timing, "time_training_steps", fake_steps)
     emulated = step_timing.choose_precision("auto", SMALL, 32, 2, tmp_path)
-    assert emulated["dtype"] == "float32" and emulated["bf16_tok_s"] is None and timed[-1] == (torch.float32,)
+    assert emulated["dtype"] == "float32" and emulated["bf16_tok_s"] is None
+    assert {dtype for dtype, _ in timed[-1]} == {torch.float32}
     assert "no native bf16" in emulated["reason"]
+
+
+def test_the_precision_ab_spends_at_most_its_share_of_the_budget(tmp_path, monkeypatch):
+    import cpuforge.tasks.engine.hardware as hardware
+    import cpuforge.tasks.engine.step_timing as step_timing
+
+    monkeypatch.setattr(hardware, "has_native_bf16", lambda: True)
+    timed = []
+    per_sequence = {torch.float32: 10.0, torch.bfloat16: 4.0}  # seconds a step spends per sequence
+    monkeypatch.setattr(step_timing, "training_step_timer", fake_step_timer(per_sequence, timed))
+
+    # a big model's step in a long budget: one sequence each tells the cost, the A/B times what fits in 5%
+    hour = step_timing.choose_precision("auto", SMALL, 8, 2, tmp_path, budget_s=3600)
+    cost = sum(rows * per_sequence[dtype] for dtype, rows in timed[-1])
+    assert cost <= step_timing.PROBE_SHARE * 3600 and abs(hour["probe_s"] - cost) < 1
+    assert 1 < hour["ab_batch"] < 8 and f"timed at {hour['ab_batch']} of the batch's 8" in hour["reason"]
+    assert hour["dtype"] == "bfloat16"
+    assert step_timing.choose_precision("auto", SMALL, 8, 2, tmp_path, budget_s=3600) == hour  # kept: settled
+
+    # a short budget: the single steps decide, for this run only
+    short = step_timing.choose_precision("auto", SMALL, 16, 2, tmp_path, budget_s=60)
+    assert short["dtype"] == "bfloat16" and short["ab_batch"] == 1 and "single steps" in short["reason"]
+    assert {rows for _, rows in timed[-1]} == {1} and len(timed[-1]) == 4  # a warm-up and a step of each
+    step_timing.choose_precision("auto", SMALL, 16, 2, tmp_path, budget_s=60)
+    assert len(timed) == 3  # not cached: measured again
+
+    # a busy machine: rounds far apart are used, said and not kept
+    jitter = iter([1.0, 1.0] + [1.0, 1.0, 1.6, 1.6, 1.6, 1.6] * 2)
+    monkeypatch.setattr(step_timing, "training_step_timer", fake_step_timer(per_sequence, timed, lambda: next(jitter)))
+    busy = step_timing.choose_precision("auto", SMALL, 4, 2, tmp_path)
+    assert busy["dtype"] == "bfloat16" and "the machine was busy" in busy["reason"]
+    assert step_timing.step_key(SMALL, 4, 2) not in json.loads((tmp_path / "precision.json").read_text())
 
 
 def test_the_real_ab_times_both_precisions():
@@ -435,9 +474,9 @@ def test_the_real_ab_times_both_precisions():
 
 
 def test_the_step_timer_runs_the_optimizer_the_run_uses():
+    from cpuforge.tasks.engine.muon import MuonAdamW
     from cpuforge.tasks.engine.optimizers import newton_schulz_dtype
     from cpuforge.tasks.engine.step_timing import training_step_timer
-    from cpuforge.tasks.engine.muon import MuonAdamW
 
     step = training_step_timer(SMALL, 2, "muon", activation_checkpointing=True)
     held = [c.cell_contents for c in step.__closure__]

@@ -163,13 +163,16 @@ def training_spec(kind: Literal["pretrain", "recover"], train_cfg: TrainConfig, 
                   model: LlamaConfig | None = None, recover: RecoverConfig | None = None,
                   hooks: TrainingHooks = TrainingHooks(), **model_dirs: Path) -> TrainingSpec:
     """The spec of one training. The precision is decided here, once (measured A/B under
-    precision=auto), and MFU's denominator is the matmul peak of that precision. Whether to
+    precision=auto, within a share of a wall-clock budget), and MFU's denominator is the matmul peak of that precision. Whether to
     torch.compile is decided by ``execute``, under the training slot (decide_compile)."""
     threads = threads_per_process(train_cfg)
     model_cfg, teacher_cfg = _shapes(kind, model, model_dirs.get("student_dir"), model_dirs.get("teacher_dir"))
     optimizer = step_optimizer(kind, train_cfg, recover)
+    limits = recover if kind == "recover" and recover is not None else train_cfg
+    budget_s = budget_seconds(limits.max_minutes, limits.max_steps, limits.max_tokens,
+                              train_cfg.batch_size * train_cfg.grad_accum * model_cfg.block_size, None)
     precision = choose_precision(train_cfg.precision, model_cfg, train_cfg.batch_size, threads, cache_dir, teacher_cfg,
-                                 optimizer, train_cfg.activation_checkpointing)
+                                 optimizer, train_cfg.activation_checkpointing, budget_s)
     dtype = precision["dtype"]
     return TrainingSpec(
         kind=kind, train=train_cfg, recover=recover, model=model if kind == "pretrain" else None,
@@ -203,9 +206,12 @@ def precision_params(spec: TrainingSpec) -> dict[str, Any]:
 
 
 def precision_metrics(spec: TrainingSpec) -> dict[str, float]:
-    """The A/B's figures (tokens/s of a training step per precision), where they were measured."""
-    return {f"precision_{name}_tok_s": spec.precision[f"{name}_tok_s"] for name in ("fp32", "bf16")
-            if spec.precision.get(f"{name}_tok_s") is not None}
+    """The A/B's figures (tokens/s of a training step per precision, at ab_batch sequences a step), where they
+    were measured, and the seconds this run's A/B took."""
+    figures = {f"precision_{name}_tok_s": spec.precision[f"{name}_tok_s"] for name in ("fp32", "bf16")
+               if spec.precision.get(f"{name}_tok_s") is not None}
+    return figures | {f"precision_{name}": spec.precision[name] for name in ("ab_batch", "probe_s")
+                      if spec.precision.get(name)}
 
 
 def compile_params(decision: dict[str, Any]) -> dict[str, Any]:
