@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from cpuforge.flows.commands import build, config, inference, listing
+from cpuforge.flows.commands import build, config, convert, inference, listing
 from cpuforge.flows.commands.common import HelpFormatter, examples, wrap
 from cpuforge.flows.commands.inference import terminal_safe  # noqa: F401  (tests and scripts import it from here)
 from cpuforge.tasks import stages
@@ -53,6 +53,8 @@ COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "config": config.add_config,
     "generate": inference.add_generate,
     "evaluate": inference.add_evaluate,
+    "export": convert.add_export,
+    "quantize": convert.add_quantize,
     "runs": listing.add_runs,
     "models": listing.add_models,
 }
