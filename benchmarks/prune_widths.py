@@ -28,8 +28,8 @@ from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batc
 from cpuforge.tasks.engine.hardware import available_cores
 from cpuforge.tasks.engine.losses import distillation_loss
 from cpuforge.tasks.engine.trainer import train
-from cpuforge.tasks.engine.validation import evaluate
 from cpuforge.tasks.engine.training_run import recover_train_config
+from cpuforge.tasks.engine.validation import evaluate
 from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.stages.prune import prune_stage
 

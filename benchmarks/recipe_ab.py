@@ -49,8 +49,8 @@ import torch
 from cpuforge.models.llama import Llama, zero_residual_projections
 from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import BatchSampler, open_shards, token_byte_lengths, val_batches
-from cpuforge.tasks.engine.step_timing import choose_precision
 from cpuforge.tasks.engine.losses import lm_loss
+from cpuforge.tasks.engine.step_timing import choose_precision
 from cpuforge.tasks.engine.trainer import RunFacts, make_optimizer, train
 from cpuforge.tasks.stages.tokenize import tokenize
 

@@ -32,8 +32,8 @@ from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.losses import distillation_loss
 from cpuforge.tasks.engine.trainer import RunFacts, train
-from cpuforge.tasks.engine.validation import evaluate
 from cpuforge.tasks.engine.training_run import recover_train_config, threads_per_process
+from cpuforge.tasks.engine.validation import evaluate
 
 
 def main() -> None:

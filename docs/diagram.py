@@ -168,7 +168,7 @@ def draw_stand_ins(top: int) -> list[str]:
                   f'<rect x="{x}" y="{top}" width="{BOX_W}" height="{h}" rx="8" fill="white" stroke="{BLUE}" '
                   'stroke-width="1.5" stroke-dasharray="6,3"/>',
                   text(x + BOX_W / 2, top + 20, spec.name, size=14, weight="bold", fill=BLUE),
-                  text(x + BOX_W / 2, top + 38, f"compress flow: in", size=11),
+                  text(x + BOX_W / 2, top + 38, "compress flow: in", size=11),
                   text(x + BOX_W / 2, top + 54, f"{spec.stands_for}'s place", size=11)]
     return parts
 

@@ -9,14 +9,14 @@ import math
 
 import pytest
 
+from cpuforge.flows.plan import plan
 from cpuforge.models.config import AUTO_LADDER, LlamaConfig, ladder_shape
 from cpuforge.models.llama import config_param_count, flops_per_token
+from cpuforge.tasks.config.explain import explain
 from cpuforge.tasks.config.resolve import ResolvedRun
 from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine import sizing
 from cpuforge.tasks.records.errors import ConfigError
-from cpuforge.tasks.config.explain import explain
-from cpuforge.flows.plan import plan
 
 
 @pytest.fixture

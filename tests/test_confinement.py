@@ -9,8 +9,8 @@ import json
 import pytest
 
 from cpuforge.flows.session import resolve_flow_run
-from cpuforge.tasks.records.errors import ConfigError
 from cpuforge.tasks.infra import confinement
+from cpuforge.tasks.records.errors import ConfigError
 from cpuforge.tasks.release.lineage import resolve_source
 
 

@@ -29,10 +29,10 @@ from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths
 from cpuforge.tasks.engine.scoring import Score, alternating_speeds, score_text, score_tokens
 from cpuforge.tasks.engine.training_run import run_training
-from cpuforge.tasks.records.errors import DataError
 from cpuforge.tasks.infra.store import StageRecord
-from cpuforge.tasks.stages.quantize import choose
+from cpuforge.tasks.records.errors import DataError
 from cpuforge.tasks.release.register import decide
+from cpuforge.tasks.stages.quantize import choose
 from tests.conftest import build_stage
 from tests.test_pretrain import shards, spec_for  # noqa: F401  (module fixture)
 

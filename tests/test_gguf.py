@@ -25,8 +25,8 @@ from cpuforge.models.runtime import generate
 from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import BatchSampler, open_shards
 from cpuforge.tasks.engine.hardware import int8_dot_product
-from cpuforge.tasks.stages.gguf import export_gguf
 from cpuforge.tasks.infra.store import StageRecord
+from cpuforge.tasks.stages.gguf import export_gguf
 from cpuforge.tasks.stages.tokenize import tokenize
 from tests.conftest import make_text
 

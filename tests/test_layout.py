@@ -4,9 +4,8 @@ reached only through tasks/infra/ (design.md)."""
 
 from __future__ import annotations
 
-from cpuforge.tasks.infra.codehash import PROJECT_PACKAGES, ROOT, _imports
-
 from cpuforge.tasks import stages
+from cpuforge.tasks.infra.codehash import PROJECT_PACKAGES, ROOT, _imports
 
 STAGES_PACKAGE = "cpuforge.tasks.stages"
 

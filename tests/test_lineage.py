@@ -10,8 +10,8 @@ import pytest
 from cpuforge.models.checkpoint import save_model
 from cpuforge.models.llama import Llama
 from cpuforge.tasks.config.settings import load_config
-from cpuforge.tasks.records.errors import ConfigError, ModelError
 from cpuforge.tasks.infra import tracking
+from cpuforge.tasks.records.errors import ConfigError, ModelError
 from cpuforge.tasks.release.lineage import (
     TAG_PRETRAIN_RUN,
     data_identity,

@@ -17,11 +17,11 @@ from prefect.states import Crashed, Failed
 
 from cpuforge.tasks import stages
 from cpuforge.tasks.config.settings import load_config
-from cpuforge.tasks.records.errors import DataError
 from cpuforge.tasks.infra import tracking
 from cpuforge.tasks.infra.locks import training_slot
 from cpuforge.tasks.infra.runner import stage_task
 from cpuforge.tasks.infra.stage import TRAINING_TAG, StageContext, retry_unless_user_error
+from cpuforge.tasks.records.errors import DataError
 from tests.conftest import make_text
 
 

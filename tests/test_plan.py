@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from cpuforge.flows.plan import plan
 from cpuforge.tasks import stages
 from cpuforge.tasks.config.resolve import ResolvedRun
 from cpuforge.tasks.config.settings import SECTIONS, load_config
 from cpuforge.tasks.infra.stage import NOT_IN_KEY
-from cpuforge.flows.plan import plan
 
 ORDER = stages.names()
 
@@ -119,8 +119,8 @@ def test_a_stage_sees_only_the_config_sections_it_declares():
 
 
 def test_evaluate_measures_every_variant_the_registry_declares():
-    from cpuforge.tasks.stages.evaluate import variant_paths
     from cpuforge.tasks.infra.store import StageRecord
+    from cpuforge.tasks.stages.evaluate import variant_paths
 
     records = {name: StageRecord(stage=name, key=name, output_dir=f"/out/{name}", files={"model": "m", "onnx": "x.onnx"})
                for name in stages.EVALUATE.needs}

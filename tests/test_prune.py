@@ -17,8 +17,8 @@ from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths, val_batches
 from cpuforge.tasks.engine.trainer import train
 from cpuforge.tasks.engine.validation import evaluate
-from cpuforge.tasks.records.errors import ConfigError, UserError
 from cpuforge.tasks.infra.store import StageRecord
+from cpuforge.tasks.records.errors import ConfigError, UserError
 from cpuforge.tasks.stages.prune import calibration_batches, target_config
 from tests.conftest import build_stage
 from tests.test_pretrain import shards, spec_for  # noqa: F401 (fixture)
