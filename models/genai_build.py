@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from cpuforge.models import onnx_files
 from cpuforge.models.onnx_export import set_metadata
 
 log = logging.getLogger("cpuforge.genai_build")
@@ -70,12 +71,12 @@ def build_decoder(hf_folder: Path, target: Path, precision: str, metadata: dict[
         if done.returncode != 0 or not (out / "model.onnx").is_file():
             raise GenaiBuildError(f"onnxruntime_genai's builder failed on {hf_folder} ({precision}):\n"
                                   f"{(done.stdout + done.stderr)[-3000:]}")
-        proto = onnx.load(str(out / "model.onnx"))  # with its external weights, saved below in one file
+        proto = onnx.load(str(out / "model.onnx"))  # with its external weights: one file below unless large
         if precision == "int8" and quantize_lm_head and ties_embeddings(hf_folder) and not share_int8_embedding(proto):
             log.warning("the builder's int8 graph of %s keeps its tied embedding as a separate fp32 table: its "
                         "lookup or LM head is not laid out as share_int8_embedding expects", hf_folder)
         set_metadata(proto, metadata)
-        onnx.save(proto, str(target))
+        onnx_files.save(proto, target, check=False)  # the builder's contrib ops are not in onnx's checker
         config = json.loads((out / "genai_config.json").read_text())
     config["model"]["decoder"]["filename"] = target.name
     return config

@@ -27,6 +27,7 @@ import torch
 from onnx import helper, numpy_helper
 from torch import nn
 
+from cpuforge.models import onnx_files
 from cpuforge.models.llama import Llama
 
 META_CONFIG = "cpuforge.config"
@@ -115,7 +116,7 @@ def export_decoder(model: Llama, path: Path, opset: int, metadata: dict[str, str
     mask, positions = torch.ones((2, 8), dtype=torch.long), torch.arange(5, 8).repeat(2, 1)
     past = [torch.zeros((2, cfg.n_kv_head, 5, cfg.head_dim)) for _ in range(2 * cfg.n_layer)]
     names_in, names_out = input_names(cfg.n_layer), output_names(cfg.n_layer)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(path.name + ".exported")
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # e.g. "torchvision is not installed" per op
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter is chatty about deprecated internals
@@ -127,14 +128,13 @@ def export_decoder(model: Llama, path: Path, opset: int, metadata: dict[str, str
                                     input_names=names_in, output_names=names_out,
                                     dynamic_shapes=shapes, optimize=True, verbose=False)
         program.save(str(tmp))
-    proto = onnx.load(str(tmp))
+    proto = onnx.load(str(tmp))  # with the external weights the exporter writes for a large model
+    onnx_files.remove(tmp)
     _name_total_length(proto)
     if cfg.tie_embeddings:
         share_tied_embedding(proto)
     set_metadata(proto, {META_CONFIG: json.dumps(cfg.to_dict()), **(metadata or {})})
-    onnx.checker.check_model(proto, full_check=True)
-    onnx.save(proto, str(tmp))
-    tmp.replace(path)
+    onnx_files.save(proto, path)
 
 
 def _name_total_length(proto: onnx.ModelProto) -> None:

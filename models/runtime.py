@@ -336,6 +336,7 @@ def _load_torch(folder: Path) -> LanguageModel:
 
 def _load_onnx(path: Path, threads: int | None) -> LanguageModel:
     import onnx
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
     try:
         proto = onnx.load(str(path), load_external_data=False)
@@ -343,7 +344,12 @@ def _load_onnx(path: Path, threads: int | None) -> LanguageModel:
         raise ModelLoadError(f"{path} is not a readable ONNX model ({type(exc).__name__}: {exc})") from None
     meta = {p.key: p.value for p in proto.metadata_props}
     shared_kv = shares_kv_buffer(proto)
+    external = {ExternalDataInfo(t).location for t in proto.graph.initializer if uses_external_data(t)}
     del proto
+    missing = sorted(name for name in external if not (path.parent / name).is_file())
+    if missing:
+        raise ModelLoadError(f"{path}: its weights file {', '.join(missing)} is not beside it (a large model's graph "
+                             "and weights travel together)")
     if META_CONFIG not in meta:
         raise ModelLoadError(f"{path} was not exported by cpuforge: its metadata has no {META_CONFIG}")
     try:
@@ -362,7 +368,8 @@ def _load_onnx(path: Path, threads: int | None) -> LanguageModel:
     except Exception as exc:  # onnxruntime reports a bad graph as a generic runtime error
         raise ModelLoadError(f"onnxruntime cannot load {path}: {exc}") from None
     eod = int(meta[META_EOD]) if META_EOD in meta else _eod_of(tokenizer)
-    return LanguageModel(decoder, tokenizer, eod, "onnx", path, path.stat().st_size)
+    size = path.stat().st_size + sum((path.parent / name).stat().st_size for name in external)
+    return LanguageModel(decoder, tokenizer, eod, "onnx", path, size)
 
 
 def _eod_of(tokenizer: Tokenizer) -> int | None:

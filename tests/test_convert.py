@@ -102,3 +102,38 @@ def test_bad_input_gets_one_line(hf_llama, tmp_path, capsys):
     (tmp_path / "onnx" / "genai_config.json").unlink()
     assert "genai_config.json" in error_line(["quantize", str(tmp_path / "onnx" / "model.onnx"), "--text", str(text),
                                               "--out", str(tmp_path / "e")])
+
+
+def test_a_model_over_protobufs_limit_keeps_its_weights_beside_the_graph(hf_llama, tmp_path, capsys, monkeypatch):
+    """What a 500M+ parameter model does (protobuf cannot hold 2 GiB), on the tiny model with the threshold at 0:
+    export, quantize, load, generate and register all carry the graph's external weights file."""
+    import mlflow
+
+    from cpuforge.models import onnx_files
+    from cpuforge.models.runtime import ModelLoadError
+    from cpuforge.tasks.infra import text_model
+
+    monkeypatch.setattr(onnx_files, "EXTERNAL_ABOVE", 0)
+    source, text = hf_llama
+    metrics = run_json(capsys, ["export", str(source), "--out", str(tmp_path / "onnx"), "--context", "64"])
+    graph, weights = tmp_path / "onnx" / "model.onnx", tmp_path / "onnx" / "model.onnx.data"
+    assert weights.is_file() and weights.stat().st_size > graph.stat().st_size  # the graph holds the tokenizer
+    assert metrics["file_bytes"] == graph.stat().st_size + weights.stat().st_size and metrics["generation_match"] == 1
+    run_json(capsys, ["quantize", str(tmp_path / "onnx"), "--text", str(text), "--method", "dynamic",
+                      "--out", str(tmp_path / "int8")])
+    kept = tmp_path / "int8" / "model.int8.onnx"
+    assert onnx_files.files_of(kept) == ["model.int8.onnx", "model.int8.onnx.data"]
+    assert not (tmp_path / "int8" / "prepared.onnx.data").exists()  # the quantizers' working copy is gone
+    lm = load_language_model(kept)
+    assert lm.file_bytes == onnx_files.total_bytes(kept)
+    greedy = list(generate(lm.decoder, lm.tokenizer.encode("The ").ids, 6))
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    with mlflow.start_run():
+        version = text_model.log_text_model(kept, tmp_path / "int8" / "tokenizer.json", "large-lm", metadata={})
+    registered = load_language_model(text_model.download(f"models:/large-lm/{version}", tmp_path / "download"))
+    assert list(generate(registered.decoder, registered.tokenizer.encode("The ").ids, 6)) == greedy
+
+    (tmp_path / "int8" / "model.int8.onnx.data").rename(tmp_path / "moved.data")
+    with pytest.raises(ModelLoadError, match="model.int8.onnx.data is not beside it"):
+        load_language_model(kept)

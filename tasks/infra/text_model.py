@@ -20,6 +20,7 @@ import mlflow
 import pandas as pd
 import yaml
 
+from cpuforge.models import onnx_files
 from cpuforge.models.runtime import LanguageModel, load_language_model
 from cpuforge.tasks.infra import tracking
 
@@ -97,8 +98,11 @@ def requirements() -> list[str]:
 
 def log_text_model(onnx: Path, tokenizer: Path, registered_model_name: str, metadata: dict[str, Any]) -> str:
     """Log the model as artifact "model" of the active run and register it; returns the new version."""
+    # A large graph's weights file is an artifact of its own: MLflow puts each under its name, beside the graph.
+    weights = {f"weights_{i}": str(onnx.parent / name) for i, name in enumerate(onnx_files.external_files(onnx))}
     info = mlflow.pyfunc.log_model(
-        name="model", python_model=str(CODE), artifacts={ARTIFACT_MODEL: str(onnx), ARTIFACT_TOKENIZER: str(tokenizer)},
+        name="model", python_model=str(CODE),
+        artifacts={ARTIFACT_MODEL: str(onnx), ARTIFACT_TOKENIZER: str(tokenizer), **weights},
         signature=signature(), input_example=(pd.DataFrame({PROMPT: ["def "]}), {"max_new_tokens": 8, "temperature": 0.0}),
         pip_requirements=requirements(), registered_model_name=registered_model_name, metadata=metadata)
     return str(info.registered_model_version)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from cpuforge.models import onnx_files
 from cpuforge.models.checkpoint import load_model
 from cpuforge.models.onnx_export import META_EOD, META_TOKENIZER, export_decoder
 from cpuforge.models.onnx_layout import GENAI_CONFIG, TOKENIZER, TOKENIZER_CONFIG, write_layout
@@ -73,7 +74,7 @@ def export_model(e: ExportConfig, tokenized: StageRecord, recovered: StageRecord
     prompts = [batches[0][0][i, :8].tolist() for i in range(PARITY_PROMPTS)]
     matches = sum(list(generate(torch_decoder, p, n_new)) == list(generate(onnx_lm.decoder, p, n_new)) for p in prompts)
     metrics = {
-        "opset": e.opset, "file_bytes": path.stat().st_size, "export_seconds": round(export_seconds, 2),
+        "opset": e.opset, "file_bytes": onnx_files.total_bytes(path), "export_seconds": round(export_seconds, 2),
         "parity_max_abs_diff": float(f"{diff:.3g}"), "parity_argmax_agreement": round(agree / total, 5),
         "parity_tokens": total, "generation_match": round(matches / len(prompts), 4),
         "seconds": round(time.perf_counter() - started, 2),
@@ -90,5 +91,5 @@ def export_model(e: ExportConfig, tokenized: StageRecord, recovered: StageRecord
                          f"{len(prompts) - matches} of {len(prompts)} prompts: the exported cache is wrong")
     return StageOutput(metrics=metrics, files={"onnx": "model.onnx", "genai_config": GENAI_CONFIG,
                                                "tokenizer": TOKENIZER, "tokenizer_config": TOKENIZER_CONFIG},
-                       artifacts=["model.onnx", *layout],
+                       artifacts=[*onnx_files.files_of(path), *layout],
                        info={"exporter": "torch.onnx dynamo", "torch": torch.__version__})

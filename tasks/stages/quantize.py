@@ -54,6 +54,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import onnx
 
+from cpuforge.models import onnx_files
 from cpuforge.models.fileio import atomic_write_json, atomic_write_text
 from cpuforge.models.genai_build import GenaiBuildError, build_decoder
 from cpuforge.models.onnx_export import (
@@ -161,18 +162,21 @@ def quantize_one(method: str, source: Path, target: Path, reader_factory, hf_fol
                                quantize_lm_head=c.quantize_head, block_size=c.block_size)
         atomic_write_json(target.with_suffix(".genai_config.json"), config)
         return
+    large = bool(onnx_files.external_files(source))  # the quantizers write external data only when told
     if method.startswith("dynamic"):
         weight_type = QuantType.QInt8 if method == "dynamic-qint8" else QuantType.QUInt8
-        quantize_dynamic(str(source), str(target), weight_type=weight_type, op_types_to_quantize=["MatMul"])
+        quantize_dynamic(str(source), str(target), weight_type=weight_type, op_types_to_quantize=["MatMul"],
+                         use_external_data_format=large)
     else:
         quantize_static(str(source), str(target), reader_factory(), quant_format=QuantFormat.QDQ,
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, reduce_range=True,
-                        op_types_to_quantize=["MatMul"], extra_options={"WeightSymmetric": True})
+                        op_types_to_quantize=["MatMul"], extra_options={"WeightSymmetric": True},
+                        use_external_data_format=large)
     proto = onnx.load(str(target))
+    onnx_files.remove(target)  # the quantizer's external data file has a name of its own
     reshare_after_quantization(proto)
     set_metadata(proto, metadata)  # the config and tokenizer travel with every variant
-    onnx.checker.check_model(proto)
-    onnx.save(proto, str(target))
+    onnx_files.save(proto, target)
 
 
 @dataclass
@@ -276,7 +280,7 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
     decision, rounds = time_candidates(q, lms, results, report)
 
     kept = decision.kept
-    shutil.copyfile(out_dir / "candidates" / f"{kept}.onnx", out_dir / "model.int8.onnx")
+    onnx_files.copy(out_dir / "candidates" / f"{kept}.onnx", out_dir / "model.int8.onnx")
     layout = copy_layout(Path(exported.output_dir), out_dir, "model.int8.onnx")
     if kept in GENAI:  # the builder's graph: its inputs and its shared KV buffer, in the folder's genai_config
         use_decoder_of(out_dir, out_dir / "candidates" / f"{kept}.genai_config.json")
@@ -284,7 +288,8 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
     summary = write_reports(out_dir, decision, rounds, results, skipped, metrics)
     return StageOutput(metrics=metrics, files={"onnx": "model.int8.onnx", "genai_config": GENAI_CONFIG,
                                                "candidates": "candidates", "report": "quantize_report.md"},
-                       artifacts=["model.int8.onnx", *layout, "candidates.json", "quantize_report.md"],
+                       artifacts=[*onnx_files.files_of(out_dir / "model.int8.onnx"), *layout, "candidates.json",
+                                  "quantize_report.md"],
                        info={"kept": kept, "kept_is": describe(kept), "rule": decision.why,
                              "int8_dot_product": summary["int8_dot_product"],
                              **({"skipped_candidates": skipped} if skipped else {})})
@@ -295,10 +300,11 @@ def prepare_graph(fp32_path: Path, prepared: Path) -> Path:
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     # Symbolic shape inference cannot follow the dynamic past length; ONNX's own inference suffices.
-    quant_pre_process(str(fp32_path), str(prepared), skip_symbolic_shape=True)
-    proto = onnx.load(str(prepared))
-    if share_tied_embedding(proto):
-        onnx.save(proto, str(prepared))
+    large = bool(onnx_files.external_files(fp32_path))
+    quant_pre_process(str(fp32_path), str(prepared), skip_symbolic_shape=True, save_as_external_data=large,
+                      all_tensors_to_one_file=True, external_data_location=onnx_files.data_file(prepared).name)
+    if share_tied_embedding(proto := onnx.load(str(prepared))):
+        onnx_files.save(proto, prepared, check=False)
     return prepared
 
 
@@ -339,7 +345,7 @@ def build_candidates(q: QuantizeConfig, methods: list[str], fp32: Any, prepared:
                  results[method]["val_bpb"], results[method]["token_agreement"])
         report(0.05 + 0.45 * (i + 1) / len(methods),
                {"phase": "quantizing", **{f"{name} val bits per byte": r["val_bpb"] for name, r in results.items()}})
-    prepared.unlink()
+    onnx_files.remove(prepared)
     if refused is not None and len(lms) == 1:  # only the builder's candidates were asked for
         raise refused
     return lms, results, skipped
