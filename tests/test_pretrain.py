@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -439,6 +440,7 @@ def test_the_precision_ab_spends_at_most_its_share_of_the_budget(tmp_path, monke
     import cpuforge.tasks.engine.step_timing as step_timing
 
     monkeypatch.setattr(hardware, "has_native_bf16", lambda: True)
+    monkeypatch.setattr(hardware, "matmul_peak", lambda threads, cache_dir, dtype=None: 2e12)
     timed = []
     per_sequence = {torch.float32: 10.0, torch.bfloat16: 4.0}  # seconds a step spends per sequence
     monkeypatch.setattr(step_timing, "training_step_timer", fake_step_timer(per_sequence, timed))
@@ -464,6 +466,35 @@ def test_the_precision_ab_spends_at_most_its_share_of_the_budget(tmp_path, monke
     busy = step_timing.choose_precision("auto", SMALL, 4, 2, tmp_path)
     assert busy["dtype"] == "bfloat16" and "the machine was busy" in busy["reason"]
     assert step_timing.step_key(SMALL, 4, 2) not in json.loads((tmp_path / "precision.json").read_text())
+
+
+def test_a_step_too_big_for_the_share_is_not_timed_at_all(tmp_path, monkeypatch):
+    import cpuforge.tasks.engine.hardware as hardware
+    import cpuforge.tasks.engine.step_timing as step_timing
+
+    # TinyLlama's shape distilled into half of it: one sequence's step alone is ~13 TFLOP with Muon
+    teacher = LlamaConfig(vocab_size=32000, n_layer=22, d_model=2048, n_head=32, n_kv_head=4, d_mlp=5632,
+                          block_size=256, tie_embeddings=False)
+    student = replace(teacher, d_model=1408, d_mlp=3968, n_head=22, n_kv_head=2)
+    timed = []
+    monkeypatch.setattr(step_timing, "training_step_timer", fake_step_timer({}, timed))
+    monkeypatch.setattr(hardware, "matmul_peak", lambda threads, cache_dir, dtype=None: 2e12)
+    monkeypatch.setattr(hardware, "has_native_bf16", lambda: True)
+    floor = step_timing.single_step_floor_s(student, teacher, "muon", 2, tmp_path, 2)
+    assert floor > 10
+    chosen = step_timing.choose_precision("auto", student, 8, 2, tmp_path, teacher, "muon", budget_s=120)
+    assert timed == [] and chosen["dtype"] == "bfloat16" and chosen["probe_s"] == 0.0  # nothing built or run
+    assert "not timed" in chosen["reason"] and "5% of the 120 s budget" in chosen["reason"]
+    assert not (tmp_path / "precision.json").exists()  # a longer budget may afford the A/B
+    monkeypatch.setattr(hardware, "has_native_bf16", lambda: False)
+    assert step_timing.choose_precision("auto", student, 8, 2, tmp_path, teacher, "muon", budget_s=120)["dtype"] == \
+        "float32"
+    # a night's budget affords it
+    monkeypatch.setattr(hardware, "has_native_bf16", lambda: True)
+    monkeypatch.setattr(step_timing, "training_step_timer",
+                        fake_step_timer({torch.float32: 30.0, torch.bfloat16: 8.0}, timed))
+    night = step_timing.choose_precision("auto", student, 8, 2, tmp_path, teacher, "muon", budget_s=8 * 3600)
+    assert len(timed) == 1 and night["ab_batch"] >= 1 and night["dtype"] == "bfloat16"
 
 
 def test_the_real_ab_times_both_precisions():

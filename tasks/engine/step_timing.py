@@ -152,6 +152,20 @@ def choose_precision(requested: str, model_cfg=None, batch: int = 0, threads: in
         log.info("precision %s (cached A/B: %s)", decision["dtype"], decision["reason"])
         return decision
     dtypes = (torch.float32, torch.bfloat16) if native else (torch.float32,)
+    if budget_s is not None:
+        # Before building anything: at 1B parameters one step of one sequence takes minutes (the teacher's forward,
+        # Muon's Newton-Schulz whatever the batch, the models' construction), over the share on its own.
+        floor_s = single_step_floor_s(model_cfg, teacher_cfg, optimizer, threads, cache_dir, len(dtypes))
+        if floor_s > PROBE_SHARE * budget_s:
+            dtype = "bfloat16" if native else "float32"
+            decision = {"dtype": dtype, "reason": (
+                f"not timed: a step of one sequence in each precision would take at least {floor_s:.0f} s (the "
+                f"shape's FLOPs at this machine's matmul peak), over {PROBE_SHARE:.0%} of the {budget_s:.0f} s "
+                "budget; " + ("bf16 autocast, native on this CPU (avx512_bf16/amx)" if native else
+                              "fp32: no native bf16 on this CPU")),
+                "fp32_tok_s": None, "bf16_tok_s": None, "ab_batch": 0, "probe_s": 0.0}
+            log.info("precision %s: %s", dtype, decision["reason"])
+            return decision  # not cached: a longer budget may afford the A/B
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -187,6 +201,34 @@ def choose_precision(requested: str, model_cfg=None, batch: int = 0, threads: in
 
         atomic_write_json(cache, {**known, key: decision})
     return decision
+
+
+def single_step_floor_s(model_cfg, teacher_cfg, optimizer: str, threads: int, cache_dir: Path | None,
+                        precisions: int) -> float:
+    """A lower bound on the seconds a one-sequence step in each of `precisions` precisions takes: its FLOPs (the
+    model's forward and backward, the teacher's forward, Muon's Newton-Schulz on every block matrix) at the fp32
+    and bf16 matmul peaks, the faster of the two for each; real steps run well below peak."""
+    from cpuforge.models.llama import flops_per_token
+
+    flops = flops_per_token(model_cfg) * model_cfg.block_size
+    if teacher_cfg is not None:
+        flops += flops_per_token(teacher_cfg, backward=False) * teacher_cfg.block_size
+    if optimizer == "muon":
+        flops += newton_schulz_flops(model_cfg)
+    dtype = torch.bfloat16 if hardware.has_native_bf16() else torch.float32  # the faster peak: a true floor
+    peak = (hardware.matmul_peak(threads, cache_dir, dtype) if cache_dir is not None
+            else hardware.measure_matmul_peak(threads, dtype, hardware.peak_size(dtype)))
+    return precisions * flops / peak
+
+
+def newton_schulz_flops(cfg, steps: int = 5) -> float:
+    """Muon's orthogonalisation of every block matrix in one optimizer step (tasks/engine/muon.py): per step
+    on an m x n matrix (m <= n), X X^T, the quintic's A @ A and its product with X: 4 m^2 n + 2 m^3."""
+    q, kv = cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+    shapes = [(q, cfg.d_model), (kv, cfg.d_model), (kv, cfg.d_model), (cfg.d_model, q),
+              *[(cfg.d_mlp, cfg.d_model)] * 3]
+    per_layer = sum(4 * min(a, b) ** 2 * max(a, b) + 2 * min(a, b) ** 3 for a, b in shapes)
+    return steps * cfg.n_layer * per_layer
 
 
 def _bounded_ab(step, dtypes: tuple[torch.dtype, ...], batch: int, budget_s: float | None,
