@@ -29,7 +29,7 @@ from cpuforge.tasks.release.register import register_task
 log = logging.getLogger("cpuforge.flow")
 
 DEFAULT_WORKDIR = "cpuforge-runs"
-Profile = Literal["tiny", "demo", "full"]
+Profile = Literal["tiny", "demo", "hour", "full", "overnight"]
 PruneStrategy = Literal["", "width", "depth", "width_then_depth"]  # "": the profile's
 
 # The flows' flat parameters (what the Prefect UI renders as a form) and the setting each sets.

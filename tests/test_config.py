@@ -76,7 +76,7 @@ def test_bad_config_files(tmp_path: Path):
     typo.write_text("trian:\n  lr: 1\n")
     with pytest.raises(ConfigError, match="unknown section 'trian' \\(did you mean train\\?\\)"):
         load_config(config_file=typo)
-    with pytest.raises(ConfigError, match="unknown profile 'huge'; available: demo, full, tiny"):
+    with pytest.raises(ConfigError, match="unknown profile 'huge'; available: demo, full, hour, overnight, tiny"):
         load_config("huge")
 
 

@@ -194,7 +194,7 @@ def test_deployments_from_prefect_yaml_are_there_with_their_schedule(stack):
     assert tiny.work_pool_name == "cpuforge"
     form = tiny.parameter_openapi_schema["properties"]  # what the UI renders as the run form
     assert {"profile", "data_source", "pretrain_minutes", "keep_ratio", "init_from"} <= set(form)
-    assert form["profile"]["enum"] == ["tiny", "demo", "full"] and form["keep_ratio"]["description"]
+    assert form["profile"]["enum"] == ["tiny", "demo", "hour", "full", "overnight"] and form["keep_ratio"]["description"]
 
 
 def test_a_triggered_run_completes_with_artifacts_runs_and_a_champion(stack, text_corpus, tmp_path, mlflow_login):

@@ -10,6 +10,7 @@ lookup or a download, as a Prefect task): `resolve_run` before, `ResolvedRun.sta
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
     from cpuforge.tasks.release.lineage import PretrainedSource
 
 HF_PREFIX = "hf:"
+
+log = logging.getLogger("cpuforge.resolve")
 
 
 @dataclass
@@ -89,13 +92,19 @@ class ResolvedRun:
         """Finish the resolution once the weights the run starts from are known (None: a new model):
         their tokenizer and shape, or for a new model the shape model.size=auto chooses. Before any
         stage key is computed: the keys hold the shape."""
+        from cpuforge.tasks.config.budget import plan_budget
         from cpuforge.tasks.engine.sizing import resolve_auto_size
         from cpuforge.tasks.release.lineage import with_source
 
+        compress = bool(self.pretrained)
         if source is not None:
             self.cfg = with_source(self.cfg, source, adopt_shape)
         else:
+            self.cfg, _ = plan_budget(self.cfg, compress)  # auto sizes the model for pretraining's planned minutes
             self.cfg, _ = resolve_auto_size(self.cfg, self.workdir)
+        self.cfg, plan = plan_budget(self.cfg, compress)  # again, for the model now known
+        if plan is not None:
+            log.info("%s", plan.describe())
         self.source = source
 
 

@@ -365,8 +365,20 @@ class TrackingConfig(Section):
     system_metrics: bool = Field(True, description="Log CPU/memory system metrics for each stage.")
 
 
+class BudgetConfig(Section):
+    minutes: float | None = Field(
+        None, gt=0, description="The whole job's wall-clock target in minutes (the hour and overnight profiles). Set, "
+        "it plans train.max_minutes and recover.max_minutes for the model at hand (replacing the profile's and "
+        "yours): the stages that train nothing are estimated from its size, and what is left trains, "
+        "pretrain_share of it pretraining in `run`, all of it recovering in `compress`. The plan is logged when the "
+        "run starts; null leaves the stages' own minutes.")
+    pretrain_share: float = Field(0.6, gt=0, lt=1, description="`run` with budget.minutes: pretraining's share of "
+                                  "the training time; recovery has the rest.")
+
+
 class Config(Section):
     profile: str = DEFAULT_PROFILE
+    budget: BudgetConfig = BudgetConfig()
     data: DataConfig = DataConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     model: ModelConfig = ModelConfig()  # type: ignore[valid-type]

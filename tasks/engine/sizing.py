@@ -226,7 +226,7 @@ def resolve_auto_size(cfg: Any, workdir: Path | str) -> tuple[Any, SizeChoice | 
     data = model.model_dump()
     fixed = {k: data[k] for k in data if k != "size" and data[k] is not None and k in _AUTO_FIELDS}
     base = {k: data[k] for k in data if k != "size" and k not in _AUTO_FIELDS}
-    vocab = _vocab_size(cfg)
+    vocab = planned_vocab_size(cfg)
     shapes = candidate_shapes(base, fixed, vocab)
     if not shapes:
         raise ConfigError(f"model.size=auto: no candidate shape fits the fixed fields {fixed}; set the whole shape")
@@ -243,7 +243,7 @@ def explain_shape(shape: LlamaConfig, train: Any, cache_dir: Path | None) -> Siz
     return describe(shape, rate, train_budget(train, shape.block_size), note="; chosen by model.size=auto")
 
 
-def _vocab_size(cfg: Any) -> int:
+def planned_vocab_size(cfg: Any) -> int:
     """The vocabulary the model will have: a given tokenizer's, else the one to be trained."""
     if cfg.tokenizer.path:
         try:
