@@ -275,8 +275,9 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
     methods = candidate_methods(q)
     if hf_folder is None:  # the builder needs the transformers folder the graph came from
         methods = [m for m in methods if m not in GENAI]
-    lms, results, skipped = build_candidates(q, methods, fp32, prepared, out_dir / "candidates", shards, scoring,
-                                             hf_folder, report)
+    built, results, skipped = build_candidates(q, methods, fp32, prepared, out_dir / "candidates", shards, scoring,
+                                               hf_folder, report)
+    lms = {"fp32": fp32, **{name: load_language_model(path) for name, path in built.items()}}
     decision, rounds = time_candidates(q, lms, results, report)
 
     kept = decision.kept
@@ -310,11 +311,11 @@ def prepare_graph(fp32_path: Path, prepared: Path) -> Path:
 
 def build_candidates(q: QuantizeConfig, methods: list[str], fp32: Any, prepared: Path, candidates: Path, shards: Any,
                      scoring: tuple[np.ndarray, Any], hf_folder: Path | None, report: live.Report,
-                     ) -> tuple[dict[str, Any], dict[str, dict], dict[str, str]]:
-    """Each method's model in candidates/, scored against fp32: the loaded models, their results, and the
-    methods skipped because the model builder refused the model. The prepared graph is removed after."""
+                     ) -> tuple[dict[str, Path], dict[str, dict], dict[str, str]]:
+    """Each method's model in candidates/, scored against fp32: their files, their results, and the methods
+    skipped because the model builder refused the model. The prepared graph is removed after."""
     val_tokens, byte_lengths = scoring
-    lms = {"fp32": fp32}
+    built: dict[str, Path] = {}
     fp32_score, fp32_greedy = score_and_greedy(fp32, val_tokens, byte_lengths)
     results: dict[str, dict] = {"fp32": {"file_bytes": fp32.file_bytes, "val_bpb": fp32_score.val_bpb,
                                          "token_agreement": 1.0}}
@@ -336,19 +337,22 @@ def build_candidates(q: QuantizeConfig, methods: list[str], fp32: Any, prepared:
             skipped[method] = str(exc).strip().splitlines()[-1].strip()[:300]
             log.warning("%s skipped: the model builder failed (%s)", method, skipped[method])
             continue
-        lms[method] = load_language_model(target)
-        score, greedy = score_and_greedy(lms[method], val_tokens, byte_lengths)
-        results[method] = {"file_bytes": lms[method].file_bytes, "val_bpb": score.val_bpb,
+        lm = load_language_model(target)
+        score, greedy = score_and_greedy(lm, val_tokens, byte_lengths)
+        built[method] = target
+        results[method] = {"file_bytes": lm.file_bytes, "val_bpb": score.val_bpb,
                            "token_agreement": round(float((greedy == fp32_greedy).mean()), 5),
                            "quantize_seconds": round(time.perf_counter() - t0, 2)}
         log.info("%s: %.2f MB, val bpb %.4f, greedy agreement %.4f", method, results[method]["file_bytes"] / 1e6,
                  results[method]["val_bpb"], results[method]["token_agreement"])
         report(0.05 + 0.45 * (i + 1) / len(methods),
                {"phase": "quantizing", **{f"{name} val bits per byte": r["val_bpb"] for name, r in results.items()}})
+        del lm  # one candidate loaded at a time while building: the next builder needs the memory (static
+        # calibration of a 0.55B model takes ~11 GB; with every candidate held too, a 23 GiB machine ran out)
     onnx_files.remove(prepared)
-    if refused is not None and len(lms) == 1:  # only the builder's candidates were asked for
+    if refused is not None and not built:  # only the builder's candidates were asked for
         raise refused
-    return lms, results, skipped
+    return built, results, skipped
 
 
 def time_candidates(q: QuantizeConfig, lms: dict[str, Any], results: dict[str, dict], report: live.Report,
