@@ -31,9 +31,10 @@ def test_compress_spends_what_the_other_stages_leave_on_recovery():
     assert plan.pretrain_minutes is None and planned.train == cfg.train  # nothing pretrains in compress
     assert "recover" in plan.describe() and "134" in plan.describe()
 
-    # a bigger model: the other stages take longer, recovery has less of the same hour
-    big, big_plan = plan_budget(load_config("hour", overrides=TINYLLAMA_1B), compress=True)
-    assert big.recover.max_minutes < planned.recover.max_minutes
+    # a bigger model: the other stages take longer, recovery has less of the same three hours
+    small, _ = plan_budget(load_config("hour", overrides=[*SMOL_135M, "budget.minutes=180"]), compress=True)
+    big, _ = plan_budget(load_config("hour", overrides=[*TINYLLAMA_1B, "budget.minutes=180"]), compress=True)
+    assert big.recover.max_minutes < small.recover.max_minutes
     # overnight: the night, less the same other stages, recovers
     night, _ = plan_budget(load_config("overnight", overrides=SMOL_135M), compress=True)
     assert night.recover.max_minutes == pytest.approx(480 - other, abs=0.1)
@@ -66,5 +67,7 @@ def test_without_a_budget_the_stages_keep_their_minutes():
 def test_a_budget_too_small_for_the_model_is_one_clear_error():
     with pytest.raises(ConfigError, match=r"budget.minutes=10 leaves no time to train.*raise budget.minutes"):
         plan_budget(load_config("hour", overrides=[*TINYLLAMA_1B, "budget.minutes=10"]), compress=True)
+    with pytest.raises(ConfigError, match=r"budget.minutes=60 .* for 1100M -> 770M parameters"):
+        plan_budget(load_config("hour", overrides=TINYLLAMA_1B), compress=True)  # an hour is too short for 1.1B
     with pytest.raises(ConfigError, match="budget.pretrain_share"):
         load_config("hour", overrides=["budget.pretrain_share=1.5"])
