@@ -92,7 +92,12 @@ def export_folder(path: Path, out_dir: Path, text: Path | None, context: int | N
                   work: Path) -> StageOutput:
     """The export stage on a model folder: out_dir gets model.onnx and the ONNX Runtime GenAI files, proven
     against PyTorch on windows of `text` (random ids without it)."""
-    folder, eod_token = model_folder(path, context, work)
+    return export_resolved(*model_folder(path, context, work), out_dir, text, opset, work)
+
+
+def export_resolved(folder: Path, eod_token: str, out_dir: Path, text: Path | None, opset: int | None,
+                    work: Path) -> StageOutput:
+    """export_folder on a folder model_folder already resolved (and cut)."""
     block_size = json.loads((folder / "config.json").read_text())["max_position_embeddings"]
     tokenized = token_shards(work / "tokens", folder / TOKENIZER, eod_token, block_size, text)
     model = StageRecord(stage="recover", key="standalone", output_dir=str(folder.parent), files={"model": folder.name})
@@ -127,12 +132,12 @@ def quantize_path(path: Path, out_dir: Path, text: Path, context: int | None, q:
     else:
         if path.suffix == ".onnx" or not path.exists():
             raise UserError(f"{path}: no such ONNX file or model folder")
-        export_folder(path, out_dir / "export", text, context, None, work / "export")
-        hf_folder, _ = model_folder(path, context, work / "export")  # the builder's candidates need it
+        hf_folder, eod_token = model_folder(path, context, work / "export")  # the builder's candidates need it
+        export_resolved(hf_folder, eod_token, out_dir / "export", text, None, work / "export")
         onnx_file = out_dir / "export" / "model.onnx"
         exported = StageRecord(stage="export", key="standalone", output_dir=str(onnx_file.parent),
                                files={"onnx": onnx_file.name})
-        tokenizer_json, eod_token = hf_folder / TOKENIZER, check_hf_checkpoint(hf_folder, str(path))
+        tokenizer_json = hf_folder / TOKENIZER
         block_size = json.loads((hf_folder / "config.json").read_text())["max_position_embeddings"]
     tokenized = token_shards(work / "tokens", tokenizer_json, eod_token, block_size, text)
     return quantize_model(q, tokenized, exported, out_dir, hf_folder=hf_folder)
