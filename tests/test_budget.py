@@ -30,6 +30,10 @@ def test_compress_spends_what_the_other_stages_leave_on_recovery():
     assert planned.recover.max_minutes == pytest.approx(60 - other, abs=0.1)
     assert plan.pretrain_minutes is None and planned.train == cfg.train  # nothing pretrains in compress
     assert "recover" in plan.describe() and "134" in plan.describe()
+    # the timing rounds of quantize and evaluate get 5% of the hour each, unless set by hand
+    assert planned.eval.speed_seconds == planned.quantize.speed_seconds == 180 and "180 s" in plan.describe()
+    pinned, _ = plan_budget(load_config("hour", overrides=[*SMOL_135M, "eval.speed_seconds=30"]), compress=True)
+    assert pinned.eval.speed_seconds == 30 and pinned.quantize.speed_seconds == 180
 
     # a bigger model: the other stages take longer, recovery has less of the same three hours
     small, _ = plan_budget(load_config("hour", overrides=[*SMOL_135M, "budget.minutes=180"]), compress=True)
@@ -61,7 +65,7 @@ def test_without_a_budget_the_stages_keep_their_minutes():
     assert plan_budget(cfg, compress=True) == (cfg, None)
     pinned, plan = plan_budget(load_config("hour", overrides=[*SMOL_135M, "budget.minutes=null",
                                                               "recover.max_minutes=7"]), compress=True)
-    assert plan is None and pinned.recover.max_minutes == 7
+    assert plan is None and pinned.recover.max_minutes == 7 and pinned.eval.speed_seconds is None
 
 
 def test_a_budget_too_small_for_the_model_is_one_clear_error():

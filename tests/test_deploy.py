@@ -32,6 +32,7 @@ from cpuforge.tasks.engine.training_run import run_training
 from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.records.errors import DataError
 from cpuforge.tasks.release.register import decide
+from cpuforge.tasks.stages.evaluate import _measure_in_fresh_process
 from cpuforge.tasks.stages.quantize import choose
 from tests.conftest import build_stage
 from tests.test_pretrain import shards, spec_for  # noqa: F401  (module fixture)
@@ -500,6 +501,29 @@ def test_speeds_are_measured_in_alternation_and_rounds_go_on_until_settled():
     calls.clear()
     quick = alternating_speeds(lms, [1], decode_tokens=4, min_rounds=2, max_rounds=6, settled=lambda s: True)
     assert len(quick["a"]["decode"]) == 2
+    # a time cap: past min_rounds, no round starts that would end past it, settled or not
+    capped = alternating_speeds(lms, [1], decode_tokens=4, min_rounds=2, max_rounds=6, settled=lambda s: False,
+                                seconds=1e-9)
+    assert len(capped["a"]["decode"]) == 2
+    ample = alternating_speeds(lms, [1], decode_tokens=4, min_rounds=2, max_rounds=6, seconds=1e9)
+    assert len(ample["a"]["decode"]) == 6
+
+
+def test_evaluate_times_identical_variants_once_and_passes_on_the_measuring_process_progress(trained, exported,
+                                                                                           tmp_path):
+    twin = tmp_path / "pruned"  # the same computation as the recovered model: same format, shapes and size
+    shutil.copytree(trained.path("model"), twin)
+    lines: list[str] = []
+    speeds = _measure_in_fresh_process(
+        "speeds", lines.append, speeds=True, model_paths={"pruned": str(twin), "recovered": str(trained.path("model")),
+                                                          "onnx-fp32": str(exported[0].path("onnx"))},
+        batch_sizes=[1], decode_tokens=4, threads=1, rounds=5, min_rounds=2, seconds=1e-6)
+    assert speeds["pruned"]["timed_as"] == "recovered"
+    assert speeds["pruned"]["decode_tok_s"] == speeds["recovered"]["decode_tok_s"] > 0
+    assert "timed_as" not in speeds["recovered"] and "timed_as" not in speeds["onnx-fp32"]
+    assert all(v["speed_rounds"] == 2 for v in speeds.values())  # the cap stopped it at the minimum
+    assert [line.split(" (")[0] for line in lines] == ["timing round 1", "timing round 2"]
+    assert "of 2 models" in lines[0]
 
 
 def test_champion_gate_promotes_only_a_better_model():

@@ -213,6 +213,11 @@ def check_deploy_stages(summary: dict, client, workdir: Path) -> None:
     assert evaluated["metrics"]["size_ratio"] > 3 and evaluated["metrics"]["final_val_bpb"] == by_name["onnx-int8"]["val_bpb"]
     out = Path(evaluated["output_dir"])
     assert "| onnx-int8 | onnx |" in (out / "report.md").read_text()
+    saved = {v["variant"]: v for v in json.loads((out / "variants.json").read_text())}
+    # the pruned and recovered models run the same computation: timed once, and the report says so
+    assert saved["pruned"]["timed_as"] == "recovered" and "timed_as" not in saved["recovered"]
+    assert by_name["pruned"]["decode_tok_s"] == by_name["recovered"]["decode_tok_s"]
+    assert "pruned runs the same computation as recovered" in (out / "report.md").read_text()
     assert (out / "quality_vs_size_speed.png").stat().st_size > 10_000
     eval_run = client.get_run(evaluated["mlflow_run_id"])
     assert eval_run.data.metrics["onnx-int8/val_bpb"] == by_name["onnx-int8"]["val_bpb"]

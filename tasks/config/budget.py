@@ -1,5 +1,6 @@
 """budget.minutes: one wall-clock target for the whole job, planned into the training stages' minutes for the
-model at hand. The stages that train nothing (adopt, prune, export, quantize, evaluate, gguf, register) cost about
+model at hand, and caps evaluate's and quantize's speed timing rounds at PROBE_SHARE of it each. The stages
+that train nothing (adopt, prune, export, quantize, evaluate, gguf, register) cost about
 in proportion to the parameters they handle, the model before pruning and after; what is left trains. In `run`,
 budget.pretrain_share of it pretrains and the rest recovers; `compress` has no pretraining, so all of it recovers.
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from cpuforge.models.llama import config_param_count
 from cpuforge.tasks.config.settings import Config
@@ -28,6 +30,7 @@ log = logging.getLogger("cpuforge.budget")
 FIXED_S = 1140.0
 PER_MPARAM_S = 3.0
 MIN_TRAIN_MINUTES = 1.0  # less than this trains nothing worth keeping
+PROBE_SHARE = 0.05  # of the budget, at most, for each stage's timing rounds (evaluate's, quantize's)
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class BudgetPlan:
     recover_minutes: float
     params: int  # the model before pruning (0: its size is still to be chosen)
     pruned_params: int
+    probe_seconds: float  # the cap budget.minutes puts on quantize's and evaluate's timing rounds, each
 
     def describe(self) -> str:
         size = f"{self.params / 1e6:.1f}M -> {self.pruned_params / 1e6:.1f}M parameters" if self.params else \
@@ -46,7 +50,8 @@ class BudgetPlan:
                  if self.pretrain_minutes is not None else f"recover {self.recover_minutes:.1f} min")
         return (f"budget.minutes={self.minutes:g} for {size}: {train}; the other stages about "
                 f"{self.other_minutes:.1f} min ({FIXED_S / 60:.0f} min + {PER_MPARAM_S:g} s per million parameters "
-                "before and after pruning)")
+                f"before and after pruning); speed timing rounds at most {self.probe_seconds:.0f} s each in quantize "
+                "and evaluate")
 
 
 def _param_counts(cfg: Config) -> tuple[int, int]:
@@ -76,8 +81,14 @@ def plan_budget(cfg: Config, compress: bool) -> tuple[Config, BudgetPlan | None]
                           "train.max_minutes / recover.max_minutes")
     pretrain = None if compress else max(MIN_TRAIN_MINUTES, round(training * b.pretrain_share, 1))
     recover = max(MIN_TRAIN_MINUTES, round(training - (pretrain or 0), 1))
-    plan = BudgetPlan(b.minutes, round(other, 1), pretrain, recover, params, pruned)
-    update = {"recover": cfg.recover.model_copy(update={"max_minutes": recover})}
+    # Speed timing rounds, a probe of sorts, get at most their share of the budget (unless set by hand).
+    probe_s = round(b.minutes * 60 * PROBE_SHARE)
+    plan = BudgetPlan(b.minutes, round(other, 1), pretrain, recover, params, pruned, probe_s)
+    update: dict[str, Any] = {"recover": cfg.recover.model_copy(update={"max_minutes": recover})}
+    if cfg.eval.speed_seconds is None:
+        update["eval"] = cfg.eval.model_copy(update={"speed_seconds": probe_s})
+    if cfg.quantize.speed_seconds is None:
+        update["quantize"] = cfg.quantize.model_copy(update={"speed_seconds": probe_s})
     if pretrain is not None:
         update["train"] = cfg.train.model_copy(update={"max_minutes": pretrain})
     return cfg.model_copy(update=update), plan

@@ -333,6 +333,10 @@ class QuantizeConfig(Section):
         0.97, ge=0, le=1, description="...and whose greedy next-token choice agrees with the fp32 ONNX model's on at "
         "least this fraction of the scored tokens.")
     score_tokens: int = Field(16_384, gt=0, description="Val tokens each quantized candidate is scored on.")
+    speed_seconds: float | None = Field(
+        None, gt=0, description="Wall-clock cap on the candidates' timing rounds (warm-up included): after the "
+        "minimum rounds, no round starts that would end past it, and a decision the noise has not settled by then "
+        "says so. null: rounds go on until settled (at most 12). budget.minutes sets it to 5% of the budget.")
     favour: Literal["balanced", "decode", "prefill"] = Field(
         "balanced", description="What the fastest candidate is fastest at: 'balanced' ranks by the geometric mean of "
         "its prefill and decode speed-ups over fp32; 'decode' (a model that mostly generates) or 'prefill' (one that "
@@ -347,6 +351,10 @@ class EvalConfig(Section):
         [], description="Fixed prompts for samples; empty (the default): the opening words of three validation "
         "documents, so the samples are in the corpus' own language.")
     max_new_tokens: int = Field(80, gt=0, description="Length of each sample.")
+    speed_seconds: float | None = Field(
+        None, gt=0, description="Wall-clock cap on timing every variant's speed (warm-up included): after 2 rounds, "
+        "no round starts that would end past it. null: 5 rounds whatever they take. budget.minutes sets it to 5% of "
+        "the budget.")
 
 
     @model_validator(mode="after")

@@ -3,7 +3,8 @@
 
 A fresh interpreter (not a multiprocessing child, which would inherit the parent's sys.path,
 polluted by onnxruntime.quantization with a folder holding another package named `models`),
-so the peak RSS it reports belongs to this variant alone.
+so the peak RSS it reports belongs to this variant alone. Progress goes to stdout, one line at a time,
+each starting with PROGRESS.
 """
 
 from __future__ import annotations
@@ -15,11 +16,17 @@ from pathlib import Path
 from cpuforge.models.fileio import atomic_write_json
 from cpuforge.tasks.engine.scoring import measure_speeds, measure_variant
 
+PROGRESS = "cpuforge-progress: "  # stdout lines the parent passes on to the person waiting
+
+
+def _progress(line: str) -> None:
+    print(PROGRESS + line, flush=True)
+
 
 def main(args_path: str, result_path: str) -> None:
     kwargs = json.loads(Path(args_path).read_text())
     measure = measure_speeds if kwargs.pop("speeds", False) else measure_variant
-    atomic_write_json(Path(result_path), measure(**kwargs))
+    atomic_write_json(Path(result_path), measure(**kwargs, progress=_progress))
 
 
 if __name__ == "__main__":

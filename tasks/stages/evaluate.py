@@ -7,7 +7,10 @@ each of ``eval.batch_sizes``, decode tokens/s with the KV cache, peak RSS and sa
 the fixed prompts. Each variant is measured in a fresh process, one after the other, so its
 peak RSS is its own and no two measurements share the cores. Speeds are then timed in one more
 process that holds every variant and visits them in turn, round after round (best of
-SPEED_ROUNDS), so machine noise cannot favour whichever variant happened to run in a quiet spell.
+SPEED_ROUNDS, or with ``eval.speed_seconds`` as many from MIN_SPEED_ROUNDS up as fit), so machine
+noise cannot favour whichever variant happened to run in a quiet spell. Variants that run the same
+computation (the pruned and the recovered model) are timed once. The measuring processes' progress
+lines reach the log as they come.
 
 Outputs: ``variants.json``, ``report.md``, ``quality_vs_size_speed.png``; in MLflow the
 metrics (``<variant>/<metric>``), a table and the files; in Prefect a table and the report.
@@ -21,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,7 @@ from cpuforge.tasks import stages
 from cpuforge.tasks.config.settings import EvalConfig
 from cpuforge.tasks.engine.data import corpus_prompts, open_shards
 from cpuforge.tasks.engine.hardware import available_cores
+from cpuforge.tasks.engine.measure import PROGRESS
 from cpuforge.tasks.infra import live, tracking
 from cpuforge.tasks.infra.stage import StageOutput, StageRun
 from cpuforge.tasks.infra.store import StageRecord
@@ -41,6 +46,7 @@ log = logging.getLogger("cpuforge.evaluate")
 
 SPEC = stages.EVALUATE
 SPEED_ROUNDS = 5
+MIN_SPEED_ROUNDS = 2  # with eval.speed_seconds: rounds past this start only while the time allows
 BASELINE, FINAL = stages.BASELINE_VARIANT, stages.FINAL_VARIANT
 SUMMARY_KEYS = ("variant", "format", "params", "file_bytes", "val_bpb", "ppl", "prefill_tok_s",
                 "prefill_tok_s_by_batch", "decode_tok_s", "peak_rss_mb")
@@ -57,14 +63,27 @@ def variant_paths(inputs: dict[str, StageRecord]) -> dict[str, Path]:
     return paths
 
 
-def _measure_in_fresh_process(name: str, **kwargs: Any) -> Any:
+def _measure_in_fresh_process(name: str, on_progress: Callable[[str], None], **kwargs: Any) -> Any:
+    """measure.py in a fresh interpreter; its progress lines go to on_progress as they come. Stopping this
+    process (Ctrl-C) stops the measurement too."""
     with tempfile.TemporaryDirectory(prefix="cpuforge-measure-") as tmp:
-        args, result = Path(tmp) / "args.json", Path(tmp) / "result.json"
+        args, result, errors = Path(tmp) / "args.json", Path(tmp) / "result.json", Path(tmp) / "stderr.txt"
         args.write_text(json.dumps(kwargs))
-        proc = subprocess.run([sys.executable, "-m", "cpuforge.tasks.engine.measure", str(args), str(result)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"measuring variant {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        with errors.open("w+") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "cpuforge.tasks.engine.measure", str(args), str(result)],
+                                    stdout=subprocess.PIPE, stderr=err, text=True)
+            try:
+                for line in proc.stdout:  # type: ignore[union-attr]
+                    if line.startswith(PROGRESS):
+                        on_progress(line[len(PROGRESS):].strip())
+                code = proc.wait()
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            if code != 0:
+                err.seek(0)
+                raise RuntimeError(f"measuring variant {name} failed (exit {code}):\n{err.read()[-3000:]}")
         return json.loads(result.read_text())
 
 
@@ -107,23 +126,38 @@ def measure_variants(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Pat
     them in one process, timed in alternation."""
     variants: list[dict[str, Any]] = []
     steps = len(paths) + 1
+
+    def scored() -> dict[str, float]:
+        return {f"{v['variant']} val bits per byte": v["val_bpb"] for v in variants}
+
+    def follow(phase: str, fraction: float) -> Callable[[str], None]:
+        def line(text: str) -> None:
+            log.info("%s: %s", phase, text)
+            report(fraction, {"phase": f"{phase}: {text}", **scored()})
+        return line
+
     for i, (name, path) in enumerate(paths.items()):
-        report(i / steps, {"phase": f"measuring {name}", **{f"{v['variant']} val bits per byte": v["val_bpb"]
-                                                              for v in variants}}, force=i == 0)
+        report(i / steps, {"phase": f"measuring {name}", **scored()}, force=i == 0)
         result = _measure_in_fresh_process(
-            name, model_path=str(path), tokenize_dir=tokenized.output_dir, max_tokens=e.max_tokens, batch_sizes=e.batch_sizes,
-            prompts=prompts, max_new_tokens=e.max_new_tokens, threads=available_cores(), seed=SAMPLE_SEED)
+            name, follow(name, i / steps), model_path=str(path), tokenize_dir=tokenized.output_dir,
+            max_tokens=e.max_tokens, batch_sizes=e.batch_sizes, prompts=prompts, max_new_tokens=e.max_new_tokens,
+            threads=available_cores(), seed=SAMPLE_SEED)
         variants.append({"variant": name, **result})
-    report(len(paths) / steps, {"phase": "timing every variant in alternation",
-                                **{f"{v['variant']} val bits per byte": v["val_bpb"] for v in variants}})
+        log.info("%s: bits per byte %.4f on %s tokens", name, result["val_bpb"], f"{result['val_tokens']:,}")
+    report(len(paths) / steps, {"phase": "timing every variant in alternation", **scored()})
+    capped = e.speed_seconds is not None
+    log.info("timing every variant in alternation: %s", f"{MIN_SPEED_ROUNDS}-{SPEED_ROUNDS} rounds within "
+             f"eval.speed_seconds={e.speed_seconds:g}" if capped else f"{SPEED_ROUNDS} rounds")
     speeds = _measure_in_fresh_process(
-        "speeds", speeds=True, model_paths={name: str(path) for name, path in paths.items()},
-        batch_sizes=e.batch_sizes, decode_tokens=e.decode_tokens, threads=available_cores(), rounds=SPEED_ROUNDS)
+        "speeds", follow("speeds", len(paths) / steps), speeds=True,
+        model_paths={name: str(path) for name, path in paths.items()}, batch_sizes=e.batch_sizes,
+        decode_tokens=e.decode_tokens, threads=available_cores(), rounds=SPEED_ROUNDS,
+        min_rounds=MIN_SPEED_ROUNDS if capped else SPEED_ROUNDS, seconds=e.speed_seconds)
     for v in variants:
         v.update(speeds[v["variant"]])
-        log.info("%-10s %9s params %8.2f MB  bpb %.4f  prefill %8.0f tok/s  decode %6.0f tok/s  rss %5.0f MB",
+        log.info("%-10s %9s params %8.2f MB  bpb %.4f  prefill %8.0f tok/s  decode %6.0f tok/s  rss %5.0f MB%s",
                  v["variant"], f"{v['params']:,}", v["file_bytes"] / 1e6, v["val_bpb"], v["prefill_tok_s"],
-                 v["decode_tok_s"], v["peak_rss_mb"])
+                 v["decode_tok_s"], v["peak_rss_mb"], f" (timed as {v['timed_as']})" if v.get("timed_as") else "")
     return variants
 
 
@@ -188,6 +222,10 @@ def report_markdown(variants: list[dict[str, Any]], metrics: dict[str, Any], bat
         speeds = " | ".join(f"{v['prefill_tok_s_by_batch'][str(b)]:,.0f}" for b in batch_sizes)
         lines.append(f"| {v['variant']} | {v['format']} | {v['params']:,} | {v['file_bytes'] / 1e6:.2f} | "
                      f"{v['val_bpb']:.4f} | {v['ppl']:.2f} | {speeds} | {v['decode_tok_s']:,.0f} | {v['peak_rss_mb']:,.0f} |")
+    shared = [f"{v['variant']} runs the same computation as {v['timed_as']} (format, shapes, file size): its speeds "
+              "are that model's, timed once" for v in variants if v.get("timed_as")]
+    if shared:
+        lines += [""] + [f"- {line}" for line in shared]
     lines += ["", "### Samples (temperature 0.8, top-k 40, same seed for every variant)", ""]
     for v in variants:
         lines.append(f"**{v['variant']}**")

@@ -25,7 +25,8 @@ Rule (``choose``, a pure function of those figures):
    this size per-token overhead, not arithmetic, decides decode, and static QDQ can lose 3x).
 3. Speed: of the rest, the highest geometric mean of its prefill and decode speed-ups over
    fp32 (``quantize.favour``: ``decode`` for a model that mostly generates, ``prefill`` for one that
-   mostly scores or embeds, rank by that speed-up alone). Rounds go on (MIN_ROUNDS..MAX_ROUNDS) until the winner's lead over the next candidate,
+   mostly scores or embeds, rank by that speed-up alone). Rounds go on (MIN_ROUNDS..MAX_ROUNDS, and
+   within ``quantize.speed_seconds`` where set) until the winner's lead over the next candidate,
    and every candidate's decode margin over fp32, exceed the spread of the measurements; a lead
    still within the spread after the last round is a tie, and a tie goes to the simpler
    candidate (the order of SIMPLICITY: dynamic, then the builder's int8 (blocks of 64 first) and int4, then static).
@@ -373,7 +374,8 @@ def time_candidates(q: QuantizeConfig, lms: dict[str, Any], results: dict[str, d
                                                **{f"{name} decode tok/s": best(s["decode"]) for name, s in samples.items()}})
         return decide(samples).settled
 
-    speeds = alternating_speeds(lms, [1], DECODE_TOKENS, MIN_ROUNDS, MAX_ROUNDS, settled=settled)
+    speeds = alternating_speeds(lms, [1], DECODE_TOKENS, MIN_ROUNDS, MAX_ROUNDS, settled=settled,
+                                seconds=q.speed_seconds)
     decision = decide(speeds)
     for name, r in results.items():
         r.update(prefill_tok_s=round(best(speeds[name]["prefill_b1"]), 1),
