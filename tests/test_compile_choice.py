@@ -154,11 +154,3 @@ def test_the_probes_seconds_come_out_of_the_wall_clock_budget(shards, tmp_path, 
         update={"max_steps": None, "max_minutes": 3.0}), "student_dir": str(tmp_path / "student"),
         "teacher_dir": str(tmp_path / "teacher")})
     assert training_run._build(recover)[2].max_minutes == pytest.approx(2.5)
-
-
-def test_the_probe_keeps_to_its_share_of_long_budgets_and_may_spend_a_minute_of_short_ones():
-    assert compile_choice.probe_allowance(180) == pytest.approx(36)  # the demo's recovery: 20%
-    assert compile_choice.probe_allowance(300) == pytest.approx(60)  # the demo's pretraining: 20%, up to a minute
-    for hour_or_night in (1776, 6000, 27000):  # an hour's recovery at 135M, longer ones: 5%, at most 5 minutes
-        assert compile_choice.probe_allowance(hour_or_night) <= min(300, 0.05 * hour_or_night + 1e-9)
-    assert compile_choice.probe_allowance(1776) > 60

@@ -214,8 +214,7 @@ class TrainConfig(Section):
     activation_checkpointing: bool = Field(False, description="Recompute activations to save memory.")
     compile: bool | Literal["auto"] = Field(
         "auto", description="torch.compile the model's forward. 'auto' compiles where it pays: a child process "
-        "compiles and times this training step and is stopped after 20% of a short budget (up to a minute) or 5% of "
-        "a longer one (at most 5 minutes), which "
+        "compiles and times this training step and is stopped after 20% of the budget (at most 5 minutes), which "
         "the budget pays; compiled steps must be >= 1.1x faster. Cached per CPU, threads, model, batch and "
         "precision; compiled graphs are kept in the work folder. Budgets under 2.5 minutes, step/token budgets "
         "of unknown duration and multi-process runs stay eager.")

@@ -4,9 +4,8 @@ What compiling is worth differs by CPU far more than by model: on an AMX Xeon th
 measured 1.31-1.53x faster after a 26-41 s compile (3 s once inductor's cache holds the graphs); on
 an AVX2-only machine the same step gained 1.07x for 169 s of compiling. So 'auto' measures it, with a
 bounded cost: a child process compiles and times the run's own training step (the same loss,
-optimizer, precision and batch layout) and is stopped if it has not finished within its allowance
-(probe_allowance: 20% of a few minutes' budget, up to a minute; 5% of longer ones; at most MAX_PROBE_S),
-which then loses that time and nothing else. The child writes
+optimizer, precision and batch layout) and is stopped if it has not finished within PROBE_SHARE of
+the training budget (at most MAX_PROBE_S), which then loses that time and nothing else. The child writes
 its graphs to the work folder's inductor cache, so the training that follows compiles in seconds;
 the decision is cached per (CPU, threads, model shape, batch, step, precision, torch version), so a
 later run on this machine decides for free.
@@ -35,12 +34,7 @@ from cpuforge.tasks.engine.step_timing import AB_ROUNDS, step_key, training_step
 log = logging.getLogger("cpuforge.compile")
 
 COMPILE_MIN_GAIN = 1.10  # compiled steps must be at least this much faster (a warm compile still costs seconds)
-# The probe's allowance: PROBE_SHARE of the training budget, or SHORT_SHARE of it up to SHORT_FLOOR_S where that is
-# more. A minute-long cold compile of a small model repays itself in a few minutes' budget (1.3-1.5x on AMX), so
-# short budgets may spend up to 20% finding out; long ones (the hour and overnight profiles, 100M+ models whose
-# 30-layer distillation step did not compile in 300 s here) keep to 5%.
-PROBE_SHARE = 0.05
-SHORT_SHARE, SHORT_FLOOR_S = 0.2, 60.0
+PROBE_SHARE = 0.2  # of the training budget, at most, spent finding out: what a 1.25x gain repays
 MIN_PROBE_S = 30.0  # a cold compile of even a small model takes about this long: shorter budgets are not probed
 MAX_PROBE_S = 300.0
 CACHE_FILE = "compile.json"
@@ -70,11 +64,6 @@ def budget_seconds(max_minutes: float | None, max_steps: int | None, max_tokens:
     return min(limits) if limits else None
 
 
-def probe_allowance(budget_s: float) -> float:
-    """Seconds the probe may take of a `budget_s`-second training (see PROBE_SHARE)."""
-    return min(MAX_PROBE_S, max(PROBE_SHARE * budget_s, min(SHORT_SHARE * budget_s, SHORT_FLOOR_S)))
-
-
 def _eager(reason: str, **figures: Any) -> dict[str, Any]:
     return {"compile": False, "reason": reason, "eager_tok_s": None, "compiled_tok_s": None, "compile_s": None,
             "probe_s": 0.0, **figures}
@@ -99,7 +88,7 @@ def choose_compile(requested: bool | str, model_cfg, batch: int, threads: int, d
     if budget_s is None:
         return _unprobed("the budget's duration is not known before training (a step or token budget with no "
                          "measured rate): not probed")
-    allowance = probe_allowance(budget_s)
+    allowance = min(MAX_PROBE_S, PROBE_SHARE * budget_s)
     if allowance < MIN_PROBE_S:
         return _unprobed(f"a {budget_s:.0f} s budget cannot repay a compile (probing would take up to "
                          f"{MIN_PROBE_S:.0f} s of it): not probed")
@@ -147,9 +136,8 @@ def _probe(model_cfg, batch: int, threads: int, dtype: str, cache_dir: Path, all
         except subprocess.TimeoutExpired:
             stderr = _stop(proc)
             if not result.is_file():
-                return _eager(f"compiling did not finish within {allowance:.0f} s (the probe's share of the budget: "
-                              f"{SHORT_SHARE:.0%} up to {SHORT_FLOOR_S:.0f} s, else {PROBE_SHARE:.0%}, at most "
-                              f"{MAX_PROBE_S:.0f} s): stayed eager", timed_out_s=round(allowance, 1)), True
+                return _eager(f"compiling did not finish within {allowance:.0f} s ({PROBE_SHARE:.0%} of the budget, "
+                              f"at most {MAX_PROBE_S:.0f} s): stayed eager", timed_out_s=round(allowance, 1)), True
         except BaseException:  # interrupted or cancelled: the child must not compile on, unseen, on every core
             _stop(proc)
             raise
