@@ -23,11 +23,12 @@ log = logging.getLogger("cpuforge.budget")
 # The stages that train nothing, in seconds: a part whatever the model (Prefect and MLflow starting, the corpus
 # tokenized, each stage's own start, quantize's candidates and evaluate's five variants at the profile's token
 # counts, recovery's closing evaluation, registration) and a part per million parameters of the model before and
-# after pruning. Set from `compress --profile hour` of a 134.5M model on a 2-core Xeon with AMX, where they took
-# 30.5 of its 73 minutes, and a 1.1B -> 0.55B compress's adopt, prune and export
-# (benchmarks/results/2026-12-06-real-size-compress.md): near at 135M, generous at 1B, where the cost grows more
-# slowly than the parameters.
-FIXED_S = 1140.0
+# after pruning. Set from `compress --profile hour` of a 134.5M model on a 2-core Xeon with AMX, where they and
+# recovery's overrun of its minutes (its closing evaluation and save) took 20.5 of its 50 minutes, with a margin of
+# about 5 minutes for a slower machine, and from a 1.1B -> 0.55B compress's adopt, prune and export
+# (benchmarks/results/2026-12-06-real-size-compress.md): generous at 1B, where the cost grows more slowly than the
+# parameters.
+FIXED_S = 840.0
 PER_MPARAM_S = 3.0
 MIN_TRAIN_MINUTES = 1.0  # less than this trains nothing worth keeping
 PROBE_SHARE = 0.05  # of the budget, at most, for each stage's timing rounds (evaluate's, quantize's)
