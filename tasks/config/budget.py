@@ -52,7 +52,7 @@ class BudgetPlan:
         return (f"budget.minutes={self.minutes:g} for {size}: {train}; the other stages about "
                 f"{self.other_minutes:.1f} min ({FIXED_S / 60:.0f} min + {PER_MPARAM_S:g} s per million parameters "
                 f"before and after pruning); speed timing rounds at most {self.probe_seconds:.0f} s each in quantize "
-                "and evaluate")
+                "and evaluate, where not set by hand")
 
 
 def _param_counts(cfg: Config) -> tuple[int, int]:

@@ -47,10 +47,11 @@ def _log_softmax_nll(logits: np.ndarray, targets: np.ndarray) -> float:
     return float(nll.double().sum())
 
 
-def score_tokens(lm: LanguageModel, tokens: np.ndarray, byte_lengths: np.ndarray, batch_size: int = 8) -> Score:
+def score_tokens(lm: LanguageModel, tokens: np.ndarray, byte_lengths: np.ndarray, batch_size: int = 8,
+                 progress: Callable[[int, int], None] | None = None) -> Score:
     """Bits per byte and perplexity of `tokens` (1-D): every token after the first is predicted,
     in consecutive windows of the model's context (the last one may be shorter)."""
-    return score_and_greedy(lm, tokens, byte_lengths, batch_size)[0]
+    return score_and_greedy(lm, tokens, byte_lengths, batch_size, progress)[0]
 
 
 def score_and_greedy(lm: LanguageModel, tokens: np.ndarray, byte_lengths: np.ndarray, batch_size: int = 8,
@@ -163,13 +164,11 @@ def alternating_speeds(lms: dict[str, LanguageModel], batch_sizes: list[int], de
         now = time.perf_counter()
         if on_round is not None:
             on_round(round_ + 1, now - started)
-        if round_ + 1 >= min_rounds:
-            if settled is not None and settled(samples):
-                break
-            if seconds is not None and (now - started) + (now - round_started) > seconds:
-                break
-            if settled is None and seconds is None:
-                break
+        # Without a settled rule, min_rounds is enough unless a time cap asks for as many rounds as fit.
+        done = settled(samples) if settled is not None else seconds is None
+        out_of_time = seconds is not None and (now - started) + (now - round_started) > seconds
+        if round_ + 1 >= min_rounds and (done or out_of_time):
+            break
     return samples
 
 
@@ -197,8 +196,8 @@ def measure_variant(model_path: str, tokenize_dir: str, max_tokens: int, batch_s
     torch.set_num_threads(threads)
     lm = load_language_model(Path(model_path), threads=threads)
     val = open_shards(Path(tokenize_dir), lm.cfg.block_size).val[: max_tokens + 1]
-    score, _ = score_and_greedy(lm, np.asarray(val), token_byte_lengths(lm.tokenizer),
-                                progress=_every(30.0, progress, "scored {:,} of {:,} tokens"))
+    score = score_tokens(lm, np.asarray(val), token_byte_lengths(lm.tokenizer),
+                         progress=_every(30.0, progress, "scored {:,} of {:,} tokens"))
     for b in batch_sizes:  # untimed (speed is measured by measure_speeds), but part of this variant's peak RSS
         lm.decoder.logits(_prefill_ids(lm, b))
     samples = {}
