@@ -12,6 +12,7 @@ from cpuforge.flows.session import (
     DEFAULT_WORKDIR,
     Profile,
     PruneStrategy,
+    check_gguf_widths,
     flow_session,
     rebuild_set,
     register_final,
@@ -67,7 +68,8 @@ def compress(
                            data_source=data_source, keep_ratio=keep_ratio, prune_strategy=prune_strategy,
                            recover_minutes=recover_minutes)
     find = partial(find_source_task, pretrained)
-    stages_to_run(stages.COMPRESS, stop_after)  # a stage name that does not exist fails before the run opens
+    # a stage name that does not exist, or widths the GGUF files cannot hold, fail before the run opens
+    check_gguf_widths(stages_to_run(stages.COMPRESS, stop_after), run.cfg)
     with flow_session("compress", run, workdir, summary_path, find_pretrained=find, adopt_shape=True,
                       rebuild=rebuild_set(rebuild, stages.COMPRESS)) as (summary, ctx):
         records = run_stages(stages.COMPRESS, summary, ctx, run, stop_after)

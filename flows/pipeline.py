@@ -11,6 +11,7 @@ from cpuforge.flows.session import (
     DEFAULT_WORKDIR,
     Profile,
     PruneStrategy,
+    check_gguf_widths,
     flow_session,
     rebuild_set,
     register_final,
@@ -69,7 +70,8 @@ def pipeline(
     find = find_init_task if run.cfg.train.init_from else None
     # A transformers checkpoint brings its own shape (as compress adopts it); cpuforge's own weights must match model.*
     adopt_shape = (run.cfg.train.init_from or "").startswith(HF_PREFIX)
-    stages_to_run(stages.PIPELINE, stop_after)  # a stage name that does not exist fails before the run opens
+    # a stage name that does not exist, or widths the GGUF files cannot hold, fail before the run opens
+    check_gguf_widths(stages_to_run(stages.PIPELINE, stop_after), run.cfg)
     with flow_session("pipeline", run, workdir, summary_path, find_pretrained=find, adopt_shape=adopt_shape,
                       rebuild=rebuild_set(rebuild, stages.PIPELINE)) as (summary, ctx):
         records = run_stages(stages.PIPELINE, summary, ctx, run, stop_after)

@@ -73,6 +73,14 @@ def stages_to_run(order: tuple[StageSpec, ...], stop_after: str) -> tuple[StageS
         raise ConfigError(f"stop_after: {exc}") from None
 
 
+def check_gguf_widths(order: tuple[StageSpec, ...], cfg: Config) -> None:
+    """Prune settings that would leave widths the gguf stage cannot store fail now, not after hours of recovery."""
+    if stages.GGUF in order and (misfits := cfg.prune.block_misfits(stages.GGUF_BLOCK)):
+        raise ConfigError(f"{', '.join(misfits)}: the pruned model's rows would not split into the {stages.GGUF_BLOCK}-value "
+                          f"blocks of the gguf stage's Q8_0 and Q4_0 files; use multiples of {stages.GGUF_BLOCK}, or "
+                          "--stop-after evaluate to make no GGUF files")
+
+
 def resolve_flow_run(profile: str, config_file: str | None, overrides: Sequence[str] | None,
                      workdir: str = DEFAULT_WORKDIR, pretrained: str = "", **form: Any) -> ResolvedRun:
     """The resolved settings of a flow run: profile, config file, the form's fields, then the overrides."""

@@ -27,11 +27,14 @@ from tokenizers import Tokenizer
 
 from cpuforge.models.llama import Llama
 
-GGUFType = Literal["f32", "f16", "q8_0"]
+GGUFType = Literal["f32", "f16", "q8_0", "q4_0"]
 FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
 TENSOR_TYPES = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
-                "q8_0": gguf.GGMLQuantizationType.Q8_0}
+                "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
+# The matrix that makes the logits stays 8-bit in a 4-bit file: llama-quantize's Q4_0 mix gives it Q6_K
+# (a tied token_embd is that matrix), which gguf-py cannot write; Q8_0 is the nearest type it can.
+OUTPUT_TYPE_IN_4_BIT = gguf.GGMLQuantizationType.Q8_0
 # cpuforge's per-layer weights -> ggml's names (gguf.TENSOR_NAMES for MODEL_ARCH.LLAMA)
 LAYER_TENSORS = {
     "attn_norm.weight": "attn_norm", "attn.wq.weight": "attn_q", "attn.wk.weight": "attn_k",
@@ -71,16 +74,33 @@ def gguf_tensors(model: Llama) -> dict[str, np.ndarray]:
     return {name: t.contiguous().numpy() for name, t in tensors.items()}
 
 
-def encode_tensor(array: np.ndarray, kind: GGUFType) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
-    """(data, ggml type). Norm weights stay float32 (as in llama.cpp's files); a matrix whose rows do not
-    split into q8_0's 32-value blocks (pruning leaves any width) falls back to f16, as convert_hf_to_gguf.py does."""
+def tensor_type(name: str, array: np.ndarray, kind: GGUFType, names: set[str]) -> gguf.GGMLQuantizationType:
+    """The ggml type of one tensor in a file of `kind`: norm weights stay float32 (as in llama.cpp's files),
+    every matrix is `kind`, except the logits' matrix of a 4-bit file (OUTPUT_TYPE_IN_4_BIT)."""
     if array.ndim == 1 or kind == "f32":
-        return array.astype(np.float32), gguf.GGMLQuantizationType.F32
-    qtype = TENSOR_TYPES[kind]
-    try:
-        return gguf.quants.quantize(array, qtype), qtype
-    except gguf.QuantError:
-        return gguf.quants.quantize(array, gguf.GGMLQuantizationType.F16), gguf.GGMLQuantizationType.F16
+        return gguf.GGMLQuantizationType.F32
+    if kind == "q4_0" and (name == "output.weight" or (name == "token_embd.weight" and "output.weight" not in names)):
+        return OUTPUT_TYPE_IN_4_BIT
+    return TENSOR_TYPES[kind]
+
+
+def block_width(qtype: gguf.GGMLQuantizationType) -> int:
+    """How many values of a row one block of `qtype` holds (32 for Q8_0 and Q4_0, 256 for the K-quants)."""
+    return gguf.GGML_QUANT_SIZES[qtype][0]
+
+
+def check_blocks(tensors: dict[str, np.ndarray], kind: GGUFType) -> dict[str, gguf.GGMLQuantizationType]:
+    """{name: ggml type} for a file of `kind`; a matrix whose rows do not split into its type's blocks is an
+    error naming it (llama.cpp's converter would quietly keep it f16, and the file would not be what it says)."""
+    types = {name: tensor_type(name, array, kind, set(tensors)) for name, array in tensors.items()}
+    misfits = [f"{name} (rows of {array.shape[-1]})" for name, array in tensors.items()
+               if array.shape[-1] % block_width(types[name])]
+    if misfits:
+        raise GGUFExportError(
+            f"{kind} stores each row in blocks of {block_width(TENSOR_TYPES[kind])} values, and {len(misfits)} "
+            f"matrices have rows that do not split into them: {', '.join(misfits[:4])}"
+            + (f" and {len(misfits) - 4} more" if len(misfits) > 4 else ""))
+    return types
 
 
 def vocabulary(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[str], list[int], list[str]]:
@@ -122,11 +142,15 @@ def vocabulary(tokenizer: Tokenizer, vocab_size: int) -> tuple[list[str], list[i
 def write_gguf(model: Llama, tokenizer: Tokenizer, eod_id: int, path: Path, kind: GGUFType = "f32",
                name: str = "cpuforge") -> dict[str, Any]:
     """Write `model` with its tokenizer as one GGUF file; returns {tensor name: ggml type name}.
+    Every matrix is of `kind` (a 4-bit file keeps the logits' matrix in Q8_0); one whose rows do not split into
+    the type's blocks is a GGUFExportError, raised before anything is written.
     The end-of-document token is llama.cpp's BOS and EOS; nothing is prepended (cpuforge trains without BOS)."""
     if kind not in FILE_TYPES:
         raise GGUFExportError(f"unknown GGUF type {kind!r}; choose one of {', '.join(FILE_TYPES)}")
     cfg = model.cfg
-    tokens, types, merges = vocabulary(tokenizer, cfg.vocab_size)
+    tokens, token_types, merges = vocabulary(tokenizer, cfg.vocab_size)
+    tensors = gguf_tensors(model)
+    types = check_blocks(tensors, kind)  # before anything is written
     path = Path(path)
     writer = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
     writer.add_name(name)
@@ -149,7 +173,7 @@ def write_gguf(model: Llama, tokenizer: Tokenizer, eod_id: int, path: Path, kind
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(LLAMA_CPP_PRE_TOKENIZER)
     writer.add_token_list(tokens)
-    writer.add_token_types(types)
+    writer.add_token_types(token_types)
     writer.add_token_merges(merges)
     writer.add_bos_token_id(eod_id)
     writer.add_eos_token_id(eod_id)
@@ -157,8 +181,9 @@ def write_gguf(model: Llama, tokenizer: Tokenizer, eod_id: int, path: Path, kind
     writer.add_add_eos_token(False)
 
     written = {}
-    for tensor_name, array in gguf_tensors(model).items():
-        data, qtype = encode_tensor(array, kind)
+    for tensor_name, array in tensors.items():
+        qtype = types[tensor_name]
+        data = array.astype(np.float32) if qtype == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(array, qtype)
         writer.add_tensor(tensor_name, data, raw_dtype=qtype)
         written[tensor_name] = qtype.name
     tmp = path.with_name(path.name + ".tmp")  # a crash never leaves a file that looks complete

@@ -17,10 +17,12 @@ import torch
 from tokenizers import Tokenizer, models
 
 from cpuforge.flows.cli import main, terminal_safe
+from cpuforge.flows.session import check_gguf_widths
 from cpuforge.models.checkpoint import save_model
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import Llama
 from cpuforge.models.runtime import choose_token
+from cpuforge.tasks import stages
 from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.records.summary import new_summary, write_summary
 from tests.conftest import as_unprivileged
@@ -194,6 +196,15 @@ def test_generate_escapes_control_characters_on_a_terminal_only(control_model, m
 def test_invalid_settings_name_the_field(capsys, override, message):
     line = cli(capsys, "config", "--profile", "tiny", "--set", override)
     assert line.startswith("error: invalid configuration: ") and message in line
+
+
+@pytest.mark.parametrize("override", ["prune.width_multiple=8", "prune.d_mlp=100"])
+def test_prune_widths_the_gguf_files_cannot_hold_fail_before_any_stage_runs(capsys, tmp_path, override):
+    line = cli(capsys, "run", "--profile", "tiny", "--workdir", str(tmp_path / "w"), "--set", override)
+    assert line.startswith(f"error: {override}: the pruned model's rows would not split into the 32-value blocks of the "
+                           "gguf stage's Q8_0 and Q4_0 files; use multiples of 32, or --stop-after evaluate")
+    assert not (tmp_path / "w" / "stages").exists()
+    check_gguf_widths(stages.up_to("evaluate"), load_config("tiny", overrides=[override]))  # no GGUF files: fine
 
 
 def test_config_file_that_is_not_yaml_is_one_line(capsys, tmp_path):

@@ -55,8 +55,8 @@ def test_non_uniform_keeps_are_refused():
 
 @pytest.mark.parametrize("strategy", ["width", "depth", "width_then_depth"])
 def test_keep_ratio_halves_the_parameters(strategy):
-    cfg = replace(CFG, vocab_size=64)
-    target = target_config(cfg, load_config("tiny", overrides=[f"prune.strategy={strategy}"]).prune)
+    cfg = replace(CFG, vocab_size=64)  # 6 heads in 48: only a grid of 8 (lcm 24) lets d_model shrink
+    target = target_config(cfg, load_config("tiny", overrides=[f"prune.strategy={strategy}", "prune.width_multiple=8"]).prune)
     ratio = config_param_count(target) / config_param_count(cfg)
     one_layer = (config_param_count(cfg) - config_param_count(replace(cfg, n_layer=cfg.n_layer - 1))) / config_param_count(cfg)
     assert 0.5 - (one_layer if strategy == "depth" else 0.15) < ratio <= 0.5  # depth moves in whole layers
@@ -80,8 +80,19 @@ def test_pruned_widths_stay_on_their_grid_and_near_the_budget():
             assert target.d_model % multiple == 0 and target.d_mlp % multiple == 0 and target.d_mlp <= cfg.d_mlp
             # the grid of 32 is coarse at this width: 3 layers of 64/352 (all the MLP) hold 43%
             assert (0.49 if multiple == 8 else 0.42) < config_param_count(target) / config_param_count(cfg) <= 0.5
-    finer = target_config(cfg, load_config("demo", overrides=["prune.strategy=width"]).prune)
-    assert (finer.d_model, finer.d_mlp) == (72, 256)  # 72/208 before the MLP took the rest: 46% kept, not 50%
+    finer = target_config(cfg, load_config("demo", overrides=["prune.strategy=width", "prune.width_multiple=8"]).prune)
+    # d_model at the grid points either side of the common factor's width, 72 and 80, each with the MLP the budget
+    # leaves, 256 and 184: both hold ~50%, and 80/184 cuts the two widths more alike
+    assert (finer.d_model, finer.d_mlp) == (80, 184)
+
+
+def test_a_coarse_grid_keeps_the_budget():
+    """SmolLM2-135M's shape (9 heads: d_model moves in steps of lcm(32, 9) = 288) kept at 70%: the common factor
+    alone rounds d_model down to 288 and keeps 48%; the wider grid point with a narrower MLP keeps 69%."""
+    cfg = LlamaConfig(vocab_size=49152, n_layer=30, n_head=9, n_kv_head=3, d_model=576, d_mlp=1536, block_size=256)
+    target = target_config(cfg, load_config("hour").prune)
+    assert (target.d_model, target.d_mlp) == (576, 736)
+    assert 0.95 * 0.7 < config_param_count(target) / config_param_count(cfg) <= 0.7
 
 
 def test_pruned_shapes_are_llamas_that_transformers_accepts():
@@ -145,7 +156,7 @@ def test_prune_reports_its_progress_batch_by_batch(tmp_path, shards):  # noqa: F
                           files={"model": "model", "tokenizer": str(shards / "tokenizer.json")})
     tok = StageRecord(stage="tokenize", key="t", output_dir=str(shards), files={"tokenizer": "tokenizer.json"})
     reports = []
-    p = load_config("tiny").prune
+    p = load_config("tiny", overrides=["prune.width_multiple=8"]).prune  # CFG's 6 heads in 48 are off the 32 grid
     prune_stage(p, tok, teacher, tmp_path / "out", report=lambda fraction, headline=None: reports.append(
         (fraction, headline["phase"])))
     fractions = [f for f, _ in reports]

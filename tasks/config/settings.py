@@ -269,14 +269,23 @@ class PruneConfig(Section):
     n_kv_head: int | None = Field(None, gt=0, description="Explicit target KV heads.")
     d_model: int | None = Field(None, gt=0, description="Explicit target embedding width.")
     d_mlp: int | None = Field(None, gt=0, description="Explicit target MLP width.")
-    width_multiple: int = Field(8, gt=0, description="keep_ratio's d_model and d_mlp are multiples of this (the MLP "
-                                "takes what the budget leaves). 32 puts every row in whole blocks of llama.cpp's Q8_0 "
-                                "(a GGUF matrix whose rows are not stays f16), at a coarser grid: +1.1% bits per byte "
-                                "after recovery on a 1.26M model (benchmarks/prune_widths.py).")
+    width_multiple: int = Field(32, gt=0, description="keep_ratio's d_model and d_mlp are multiples of this (the MLP "
+                                "takes what the budget leaves). 32 puts every row in whole blocks of the gguf stage's "
+                                "Q8_0 and Q4_0, which a run that makes GGUF files needs; 8 is a finer grid for runs "
+                                "that stop before it (--stop-after evaluate): -1.1% bits per byte after recovery on a "
+                                "1.26M model (benchmarks/prune_widths.py).")
     calib_batches: int = Field(16, gt=0, description="Train-split batches used to score importance.")
     batch_size: int = Field(8, gt=0, description="Sequences per calibration and validation batch.")
     val_batches: int = Field(8, gt=0, description="Validation batches for bits per byte before and after pruning.")
     seed: int = Field(11_344, description="Seed of the calibration batches (apart from training's data order).")
+
+    def block_misfits(self, block: int) -> list[str]:
+        """The settings that would leave pruned widths that rows of `block` values do not divide: the explicit
+        widths where any dimension is explicit (they override width_multiple), else width_multiple."""
+        explicit = [k for k in ("n_layer", "n_head", "n_kv_head", "d_model", "d_mlp") if getattr(self, k)]
+        if explicit:
+            return [f"prune.{k}={getattr(self, k)}" for k in ("d_model", "d_mlp") if getattr(self, k) and getattr(self, k) % block]
+        return [f"prune.width_multiple={self.width_multiple}"] if self.width_multiple % block else []
 
 
 class RecoverConfig(Section):

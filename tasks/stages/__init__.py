@@ -59,9 +59,11 @@ EVALUATE = StageSpec(
 # The final model as GGUF for llama.cpp. After evaluate: it takes only tokenize and recover, and
 # `--rebuild evaluate` need not redo it.
 GGUF = StageSpec(
-    name="gguf", version="1", sections=(), module="cpuforge.tasks.stages.gguf", needs=("tokenize", "recover"),
-    provides=("gguf_f32", "gguf_q8_0"),
+    # 2: a q4_0 file; a matrix that does not fit a type's blocks is an error, not an f16 fallback
+    name="gguf", version="2", sections=(), module="cpuforge.tasks.stages.gguf", needs=("tokenize", "recover"),
+    provides=("gguf_f32", "gguf_q8_0", "gguf_q4_0"),
 )
+GGUF_BLOCK = 32  # values per block of a Q8_0 or Q4_0 row: every quantized matrix's width must be a multiple
 
 PIPELINE: tuple[StageSpec, ...] = (TOKENIZE, *_MODEL_STAGES, EVALUATE, GGUF)
 COMPRESS: tuple[StageSpec, ...] = tuple(ADOPT if spec is PRETRAIN else spec for spec in PIPELINE)

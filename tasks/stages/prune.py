@@ -40,6 +40,7 @@ from cpuforge.tasks.release.model_card import made_by, write_model_card
 log = logging.getLogger("cpuforge.prune")
 
 SPEC = stages.PRUNE
+NEAR_BUDGET = 0.95  # a pruned shape holding this share of keep_ratio's parameters counts as meeting it
 
 
 def _round_width(value: float, limit: int, multiple: int) -> int:
@@ -48,9 +49,11 @@ def _round_width(value: float, limit: int, multiple: int) -> int:
 
 def _shrink_width(cfg: LlamaConfig, budget: int, multiple: int) -> LlamaConfig:
     """The widest shape that fits the parameter budget, d_model and d_mlp multiples of `multiple`: both
-    shrink by the largest common factor that fits (bisection), then d_mlp takes what the budget has left
-    in steps of `multiple`, up to its own width (on a coarse grid the common factor alone can land far
-    below the budget: halving a 128-wide model's embedding frees a third of its parameters)."""
+    shrink by the largest common factor that fits (bisection); then d_model is tried at the grid points
+    either side of that factor's width, the MLP taking what each leaves of the budget in steps of
+    `multiple` up to its own width (a shape near the budget and balanced wins, see below). On a coarse grid the
+    common factor alone can land far below the budget: a 9-head model's d_model moves in steps of
+    lcm(32, 9) = 288, so a 576-wide model kept at 70% would otherwise drop to 288 and half its size."""
 
     def shaped(d_model: int, d_mlp: int) -> LlamaConfig:
         return replace(cfg, d_model=d_model, d_mlp=d_mlp, head_dim_override=cfg.head_dim)
@@ -66,16 +69,26 @@ def _shrink_width(cfg: LlamaConfig, budget: int, multiple: int) -> LlamaConfig:
     for _ in range(40):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if config_param_count(at(mid)) <= budget else (lo, mid)
-    best = at(lo)
-    if config_param_count(best) > budget:
+    mlp_widths = sorted({*range(multiple, cfg.d_mlp + 1, multiple), cfg.d_mlp}, reverse=True)
+    grid_points = {min(cfg.d_model, max(model_multiple, model_multiple * step(cfg.d_model * hi / model_multiple)))
+                   for step in (math.floor, math.ceil)}
+    fits = [next((shaped(d_model, d_mlp) for d_mlp in mlp_widths
+                  if config_param_count(shaped(d_model, d_mlp)) <= budget), None) for d_model in sorted(grid_points)]
+    fits = [shape for shape in fits if shape is not None]
+    if not fits:
         raise ConfigError(
             f"prune: no width fits {budget:,} parameters (the embedding alone needs "
             f"{cfg.vocab_size * model_multiple:,} at the narrowest width, prune.width_multiple={multiple}); raise "
             f"prune.keep_ratio or lower prune.width_multiple"
         )
-    while best.d_mlp + multiple <= cfg.d_mlp and config_param_count(shaped(best.d_model, best.d_mlp + multiple)) <= budget:
-        best = shaped(best.d_model, best.d_mlp + multiple)
-    return best
+    # An MLP narrower than the model it feeds (Llamas use ~2.7x) is no candidate while another shape fits.
+    # Within NEAR_BUDGET of the budget the shape that shrinks both widths most alike wins (Minitron's width
+    # pruning cuts both); when neither is that near, the larger one does.
+    fits = [shape for shape in fits if shape.d_mlp >= min(shape.d_model, cfg.d_mlp)] or fits
+    near = [shape for shape in fits if config_param_count(shape) >= NEAR_BUDGET * budget]
+    if not near:
+        return max(fits, key=config_param_count)
+    return min(near, key=lambda shape: abs(math.log(shape.d_model / cfg.d_model * cfg.d_mlp / shape.d_mlp)))
 
 
 def target_config(cfg: LlamaConfig, p: PruneConfig) -> LlamaConfig:
