@@ -1,19 +1,24 @@
-"""One cpuforge model, two runtimes: cpuforge's final int8 ONNX next to llama.cpp running it as Q8_0 GGUF.
+"""One cpuforge model, two runtimes, two precisions: cpuforge's int8 and int4 ONNX next to llama.cpp running the
+same recovered weights as Q8_0 and Q4_0 GGUF.
 
-    cpuforge run --profile demo --summary demo.json
-    pip install llama-cpp-python     # builds llama.cpp from source (about 6 minutes on 2 cores)
+    cpuforge run --profile demo --summary demo.json          # or compress --pretrained hf:DIR ... --summary
+    pip install 'cpuforge[bench]'     # llama-cpp-python: builds llama.cpp from source (about 6 minutes on 2 cores)
     python benchmarks/vs_llamacpp.py demo.json [--rounds 3] [--json vs_llamacpp.json]
 
-cpuforge: the quantize stage's model.int8.onnx in onnxruntime (models/runtime.py). llama.cpp: the gguf
-stage's model-q8_0.gguf (8-bit weights as well) through llama-cpp-python. Both see the same validation
-tokens (the run's val shard; llama.cpp tokenizes as cpuforge does, tests/test_gguf.py), with the same
-number of threads:
-- bits per byte: consecutive full-context windows, each from an empty cache (scoring.score_tokens's windows);
+Pairs, each made from the recovered model:
+- 8-bit: quantize's kept model.int8.onnx when it is 8-bit (else its genai-int8-b64 candidate) against the gguf
+  stage's model-q8_0.gguf;
+- 4-bit: quantize's genai-int4 candidate (MatMulNBits, blocks of 32, the head 4-bit too) against
+  model-q4_0.gguf (Q4_0, blocks of 32, the logits' matrix Q8_0).
+Every model sees the same validation tokens in the same windows (scoring.score_tokens's; llama.cpp tokenizes as
+cpuforge does, tests/test_gguf.py) with the same number of threads:
+- bits per byte: consecutive full-context windows, each from an empty cache;
 - prefill tokens/s: one full-context sequence at batch 1, the best of 3 passes after a warm-up;
 - decode tokens/s: greedy at batch 1 with the KV cache after a 16-token prompt, the best of 3 runs.
-Each measurement runs in a fresh process holding one model (two runtimes' thread pools in one process
-spin against each other on a small machine), the two alternating round after round; each figure is the
-best round (noise on a shared machine only ever slows a round down).
+Each measurement runs in a fresh process holding one model (two runtimes' thread pools in one process spin
+against each other on a small machine), the four models in rotation round after round; each figure is the best
+round (noise on a shared machine only ever slows a round down). Goal: cpuforge decodes >= 1.2x and prefills
+>= 1.0x llama.cpp in both pairs, at equal or better bits per byte.
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -34,17 +38,10 @@ from cpuforge.tasks.engine.data import bits_per_byte, open_shards, token_byte_le
 from cpuforge.tasks.engine.hardware import available_cores, cpu_model, int8_dot_product
 
 PROMPT_LEN = 16  # as scoring.decode_tokens_per_s
-NAMES = {"onnx": "cpuforge int8 ONNX", "gguf": "llama.cpp Q8_0 GGUF"}
+PAIRS = ("8-bit", "4-bit")
 
 
 # --- child mode: one model in this process -------------------------------------------------------------
-
-def nll_sum(logits: np.ndarray, targets: np.ndarray) -> float:
-    """Summed negative log-likelihood in float64, as scoring does it."""
-    z = logits.astype(np.float64)
-    z -= z.max(axis=-1, keepdims=True)
-    return float((np.log(np.exp(z).sum(axis=-1)) - np.take_along_axis(z, targets[:, None], axis=-1)[:, 0]).sum())
-
 
 def onnx_child(path: Path, job: dict) -> dict:
     import torch
@@ -62,53 +59,22 @@ def onnx_child(path: Path, job: dict) -> dict:
 
 
 def gguf_child(path: Path, job: dict) -> dict:
-    import llama_cpp
+    from cpuforge.models.llama_cpp_runtime import LlamaCppModel
 
     block, threads = job["block"], job["threads"]
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=block, n_batch=block, n_ubatch=block, n_threads=threads,
-                          n_threads_batch=threads, logits_all=job["mode"] == "score", verbose=False)
+    plain = int8_dot_product() == "amx_int8"  # see LlamaCppModel
     if job["mode"] == "score":
-        tokens, lengths = np.load(job["tokens"]), np.load(job["byte_lengths"])
-        nll, n_bytes, n_tokens = 0.0, 0, 0
-        for start in range(0, len(tokens) - 1, block):  # the windows score_tokens uses
-            x, y = tokens[start:start + block], tokens[start + 1:start + block + 1]
-            x = x[:len(y)]
-            llm.reset()
-            llm.eval(x.tolist())
-            nll += nll_sum(np.asarray(llm.scores[:len(x)]), y)
-            n_bytes += int(lengths[y].sum())
-            n_tokens += len(y)
+        llm = LlamaCppModel(path, block, threads, logits_all=True, plain_buffers=plain)
+        nll, n_bytes, n_tokens = llm.nll(np.load(job["tokens"]), np.load(job["byte_lengths"]))
         return {"val_bpb": round(bits_per_byte(nll, n_bytes), 5), "val_tokens": n_tokens}
-
-    ids = np.random.default_rng(0).integers(0, llm.n_vocab(), size=block).tolist()  # scoring._prefill_ids's draw
-
-    def next_token() -> int:  # without logits_all, llama-cpp-python keeps no scores: read the last row directly
-        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))))
-
-    def prefill() -> float:
-        llm.reset()
-        started = time.perf_counter()
-        llm.eval(ids)
-        return time.perf_counter() - started
-
-    def decode() -> float:
-        """Seconds per greedy token with the KV cache, prefill excluded (as scoring._timed_decode)."""
-        n = min(job["decode_tokens"], block - PROMPT_LEN - 1)
-        llm.reset()
-        llm.eval(list(range(1, PROMPT_LEN + 1)))
-        token = next_token()
-        started = time.perf_counter()
-        for _ in range(n - 1):
-            llm.eval([token])
-            token = next_token()
-        return (time.perf_counter() - started) / max(1, n - 1)
-
-    prefill(), decode()  # warm-up
-    return {"prefill_tok_s": block / min(prefill() for _ in range(3)),
-            "decode_tok_s": 1.0 / min(decode() for _ in range(3))}
+    llm = LlamaCppModel(path, block, threads, plain_buffers=plain)
+    ids = np.random.default_rng(0).integers(0, llm.llm.n_vocab(), size=block).tolist()  # scoring._prefill_ids's draw
+    llm.prefill_seconds(ids), llm.decode_seconds(job["decode_tokens"])  # warm-up
+    return {"prefill_tok_s": block / min(llm.prefill_seconds(ids) for _ in range(3)),
+            "decode_tok_s": 1.0 / min(llm.decode_seconds(job["decode_tokens"]) for _ in range(3))}
 
 
-# --- parent: alternate fresh processes ------------------------------------------------------------------
+# --- parent: rotate fresh processes ----------------------------------------------------------------------
 
 def run_child(kind: str, path: Path, job: dict, scratch: Path) -> dict:
     job_file = scratch / "job.json"
@@ -116,20 +82,34 @@ def run_child(kind: str, path: Path, job: dict, scratch: Path) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", kind, str(path), str(job_file)],
                          capture_output=True, text=True)
     if out.returncode:
-        raise SystemExit(f"the {NAMES[kind]} process failed:\n{out.stderr[-3000:]}")
+        raise SystemExit(f"measuring {path.name} ({kind}) failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def models_of(stages: dict) -> dict[tuple[str, str], Path]:
+    """{(pair, runtime): file} from a run's stages."""
+    quantized, gguf = Path(stages["quantize"]["output_dir"]), Path(stages["gguf"]["output_dir"])
+    eight = (quantized / "model.int8.onnx" if stages["quantize"]["metrics"].get("weight_bits", 8) == 8
+             else quantized / "candidates" / "genai-int8-b64.onnx")
+    files = {("8-bit", "cpuforge"): eight, ("8-bit", "llama.cpp"): gguf / "model-q8_0.gguf",
+             ("4-bit", "cpuforge"): quantized / "candidates" / "genai-int4.onnx",
+             ("4-bit", "llama.cpp"): gguf / "model-q4_0.gguf"}
+    absent = [str(path) for path in files.values() if not path.exists()]
+    if absent:
+        raise SystemExit(f"not in this run: {', '.join(absent)} (quantize.method=best makes the genai candidates)")
+    return files
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("summary", nargs="?", help="summary JSON of a cpuforge run that went through quantize and gguf")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (a process per model each)")
+    parser.add_argument("--rounds", type=int, default=3, help="timing rounds (a process per model each)")
     parser.add_argument("--json", default="vs_llamacpp.json", help="where to write the results")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # child mode: KIND MODEL JOB.json
     args = parser.parse_args()
     if args.child:
         kind, path, job = args.child
-        result = (onnx_child if kind == "onnx" else gguf_child)(Path(path), json.loads(Path(job).read_text()))
+        result = (onnx_child if kind == "cpuforge" else gguf_child)(Path(path), json.loads(Path(job).read_text()))
         print(json.dumps(result))
         return
     if not args.summary:
@@ -141,8 +121,7 @@ def main() -> None:
     if missing:
         parser.error(f"the run has no {' or '.join(sorted(missing))} stage: run the pipeline through it first")
     cfg = load_config(config_file=Path(summary["run_dir"]) / "config.yaml")
-    paths = {"onnx": Path(stages["quantize"]["output_dir"]) / "model.int8.onnx",
-             "gguf": Path(stages["gguf"]["output_dir"]) / "model-q8_0.gguf"}
+    files = models_of(stages)
     shards = open_shards(Path(stages["tokenize"]["output_dir"]), 2)
     block = read_config(Path(stages["recover"]["output_dir"]) / "model").block_size
     threads = available_cores()
@@ -153,32 +132,39 @@ def main() -> None:
         np.save(scratch / "lengths.npy", token_byte_lengths(shards.tokenizer_path))
         job = {"threads": threads, "block": block, "decode_tokens": cfg.eval.decode_tokens,
                "tokens": str(scratch / "tokens.npy"), "byte_lengths": str(scratch / "lengths.npy")}
-        rows = {kind: {"file_mb": round(path.stat().st_size / 1e6, 3),
-                       **run_child(kind, path, {**job, "mode": "score"}, scratch)} for kind, path in paths.items()}
-        kinds = list(paths)
+        rows = {key: {"file_mb": round(path.stat().st_size / 1e6, 3),
+                      **run_child(key[1], path, {**job, "mode": "score"}, scratch)} for key, path in files.items()}
+        order = list(files)
         for round_ in range(args.rounds):
-            for kind in kinds[round_ % 2:] + kinds[:round_ % 2]:  # the first to run alternates
-                timing = run_child(kind, paths[kind], {**job, "mode": "time"}, scratch)
-                for key, value in timing.items():
-                    rows[kind][key] = round(max(rows[kind].get(key, 0.0), value), 1)
+            shift = round_ % len(order)  # who runs first rotates
+            for key in order[shift:] + order[:shift]:
+                timing = run_child(key[1], files[key], {**job, "mode": "time"}, scratch)
+                for name, value in timing.items():
+                    rows[key][name] = round(max(rows[key].get(name, 0.0), value), 1)
 
-    ours, theirs = rows["onnx"], rows["gguf"]
-    ratios = {"prefill_llamacpp_over_cpuforge": round(theirs["prefill_tok_s"] / ours["prefill_tok_s"], 3),
-              "decode_llamacpp_over_cpuforge": round(theirs["decode_tok_s"] / ours["decode_tok_s"], 3),
-              "bpb_llamacpp_over_cpuforge": round(theirs["val_bpb"] / ours["val_bpb"], 4),
-              "file_llamacpp_over_cpuforge": round(theirs["file_mb"] / ours["file_mb"], 3)}
     print(f"CPU: {cpu_model()}, {threads} threads, int8 dot product: {int8_dot_product()}; context {block}, "
-          f"{ours['val_tokens']:,} val tokens, best of {args.rounds} alternating rounds")
-    header = f"{'':28s}{NAMES['onnx']:>22s}{NAMES['gguf']:>22s}{'llama.cpp / cpuforge':>22s}"
-    print(header)
-    for key, label, ratio in (("val_bpb", "bits per byte", "bpb"), ("prefill_tok_s", f"prefill tok/s (b1, T={block})",
-                              "prefill"), ("decode_tok_s", "decode tok/s (b1)", "decode"), ("file_mb", "file MB", "file")):
-        print(f"{label:28s}{ours[key]:>22,}{theirs[key]:>22,}{ratios[f'{ratio}_llamacpp_over_cpuforge']:>22}")
-    result = {"cpu": cpu_model(), "threads": threads, "context": block, "rounds": args.rounds,
-              "run_id": summary.get("run_id"), "models": {NAMES[k]: {"path": str(paths[k]), **rows[k]} for k in kinds},
-              "ratios": ratios}
+          f"{rows[order[0]]['val_tokens']:,} val tokens, best of {args.rounds} rounds")
+    result = {"cpu": cpu_model(), "threads": threads, "int8_dot_product": int8_dot_product(), "context": block,
+              "rounds": args.rounds, "run_id": summary.get("run_id"), "pairs": {}}
+    for pair in PAIRS:
+        ours, theirs = rows[(pair, "cpuforge")], rows[(pair, "llama.cpp")]
+        ratios = {"decode": round(ours["decode_tok_s"] / theirs["decode_tok_s"], 3),
+                  "prefill": round(ours["prefill_tok_s"] / theirs["prefill_tok_s"], 3),
+                  "bpb": round(ours["val_bpb"] / theirs["val_bpb"], 4),
+                  "file": round(ours["file_mb"] / theirs["file_mb"], 3)}
+        print(f"\n{pair}: cpuforge {files[(pair, 'cpuforge')].name} vs llama.cpp {files[(pair, 'llama.cpp')].name}")
+        print(f"{'':28s}{'cpuforge':>14s}{'llama.cpp':>14s}{'cpuforge / llama.cpp':>24s}")
+        for key, label, ratio in (("val_bpb", "bits per byte", "bpb"),
+                                  ("prefill_tok_s", f"prefill tok/s (b1, T={block})", "prefill"),
+                                  ("decode_tok_s", "decode tok/s (b1)", "decode"), ("file_mb", "file MB", "file")):
+            print(f"{label:28s}{ours[key]:>14,}{theirs[key]:>14,}{ratios[ratio]:>24}")
+        goal = ratios["decode"] >= 1.2 and ratios["prefill"] >= 1.0 and ours["val_bpb"] <= theirs["val_bpb"]
+        print(f"goal (decode >= 1.2x, prefill >= 1.0x, bits per byte no worse): {'met' if goal else 'not met'}")
+        result["pairs"][pair] = {"cpuforge": {"path": str(files[(pair, "cpuforge")]), **ours},
+                                 "llama.cpp": {"path": str(files[(pair, "llama.cpp")]), **theirs},
+                                 "cpuforge_over_llamacpp": ratios, "goal_met": goal}
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"written to {args.json}")
+    print(f"\nwritten to {args.json}")
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def check_gguf_widths(order: tuple[StageSpec, ...], cfg: Config) -> None:
     if stages.GGUF in order and (misfits := cfg.prune.block_misfits(stages.GGUF_BLOCK)):
         raise ConfigError(f"{', '.join(misfits)}: the pruned model's rows would not split into the {stages.GGUF_BLOCK}-value "
                           f"blocks of the gguf stage's Q8_0 and Q4_0 files; use multiples of {stages.GGUF_BLOCK}, or "
-                          "--stop-after evaluate to make no GGUF files")
+                          "--stop-after quantize to make no GGUF files")
 
 
 def resolve_flow_run(profile: str, config_file: str | None, overrides: Sequence[str] | None,

@@ -202,9 +202,9 @@ def test_invalid_settings_name_the_field(capsys, override, message):
 def test_prune_widths_the_gguf_files_cannot_hold_fail_before_any_stage_runs(capsys, tmp_path, override):
     line = cli(capsys, "run", "--profile", "tiny", "--workdir", str(tmp_path / "w"), "--set", override)
     assert line.startswith(f"error: {override}: the pruned model's rows would not split into the 32-value blocks of the "
-                           "gguf stage's Q8_0 and Q4_0 files; use multiples of 32, or --stop-after evaluate")
+                           "gguf stage's Q8_0 and Q4_0 files; use multiples of 32, or --stop-after quantize")
     assert not (tmp_path / "w" / "stages").exists()
-    check_gguf_widths(stages.up_to("evaluate"), load_config("tiny", overrides=[override]))  # no GGUF files: fine
+    check_gguf_widths(stages.up_to("quantize"), load_config("tiny", overrides=[override]))  # no GGUF files: fine
 
 
 def test_config_file_that_is_not_yaml_is_one_line(capsys, tmp_path):

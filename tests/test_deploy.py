@@ -27,13 +27,13 @@ from cpuforge.models.runtime import (
 from cpuforge.tasks import stages
 from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths
-from cpuforge.tasks.engine.scoring import Score, alternating_speeds, score_text, score_tokens
+from cpuforge.tasks.engine.scoring import Score, alternating_speeds, score_and_greedy, score_text, score_tokens
 from cpuforge.tasks.engine.training_run import run_training
 from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.records.errors import DataError
 from cpuforge.tasks.release.register import decide
 from cpuforge.tasks.stages.evaluate import _measure_in_fresh_process
-from cpuforge.tasks.stages.quantize import choose
+from cpuforge.tasks.stages.quantize import choose, confident_agreement
 from tests.conftest import build_stage
 from tests.test_pretrain import shards, spec_for  # noqa: F401  (module fixture)
 
@@ -300,7 +300,9 @@ def test_int8_model_is_smaller_keeps_quality_and_still_generates(quantized, expo
     assert {"dynamic-qint8/val_bpb", "dynamic-quint8/val_bpb", "static-qdq/val_bpb"} <= set(metrics)
     kept = (Path(record.output_dir) / "model.int8.onnx").read_bytes()
     assert any(kept == p.read_bytes() for p in (Path(record.output_dir) / "candidates").glob("*.onnx"))
-    assert "| fp32 |" in (Path(record.output_dir) / "quantize_report.md").read_text()
+    report = (Path(record.output_dir) / "quantize_report.md").read_text()
+    assert "| fp32 |" in report and "where fp32 is confident" in report
+    assert 0 < metrics["confident_share"] <= 1 and 0 <= metrics["confident_agreement"] <= 1
     lm = load_language_model(record.path("onnx"))
     assert lm.kind == "onnx" and lm.file_bytes == metrics["int8_bytes"]
     text = "".join(lm.stream("The model", 12, temperature=0.0))
@@ -536,3 +538,24 @@ def test_champion_gate_promotes_only_a_better_model():
     promote, why = decide(better, None, "3", "cannot be read")
     assert promote is False and "cannot be read" in why
 
+
+
+def test_the_gate_counts_agreement_where_fp32_is_confident():
+    """Near-ties flip with any rounding: a candidate that disagrees only where fp32's top choice is unsure
+    agrees fully for the gate; one that flips a confident choice does not; no confident token leaves bpb to decide."""
+    fp32_greedy = np.array([5, 5, 7, 9, 1, 2])
+    fp32_top = np.array([0.9, 0.8, 0.2, 0.3, 0.6, 0.1])  # confident at positions 0, 1 and 4
+    ties_only = np.array([5, 5, 3, 4, 1, 8])
+    assert (ties_only == fp32_greedy).mean() == 0.5 and confident_agreement(ties_only, fp32_greedy, fp32_top) == 1.0
+    flips_one = np.array([5, 6, 7, 9, 1, 2])
+    assert confident_agreement(flips_one, fp32_greedy, fp32_top) == pytest.approx(2 / 3, abs=1e-5)
+    assert confident_agreement(flips_one, fp32_greedy, np.full(6, 0.1)) == 1.0
+
+
+def test_scoring_gives_the_probability_of_each_greedy_choice(trained, tokenized):
+    lm = load_language_model(trained.path("model"))
+    tokens = open_shards(Path(tokenized.output_dir), lm.cfg.block_size).val[: 2 * lm.cfg.block_size + 1]
+    _, greedy, top = score_and_greedy(lm, tokens, token_byte_lengths(lm.tokenizer))
+    probs = torch.softmax(torch.from_numpy(lm.decoder.logits(np.asarray(tokens[:lm.cfg.block_size])[None])[0]), -1)
+    assert np.array_equal(greedy[:lm.cfg.block_size], probs.argmax(-1).numpy())
+    assert np.allclose(top[:lm.cfg.block_size], probs.max(-1).values.numpy(), atol=1e-5)

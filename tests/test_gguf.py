@@ -22,9 +22,9 @@ from cpuforge.models.checkpoint import load_model, save_model
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.gguf_export import GGUFExportError, write_gguf
 from cpuforge.models.llama import Llama
-from cpuforge.models.runtime import generate
+from cpuforge.models.runtime import generate, load_language_model
 from cpuforge.tasks.config.settings import load_config
-from cpuforge.tasks.engine.data import BatchSampler, open_shards
+from cpuforge.tasks.engine.data import BatchSampler, open_shards, token_byte_lengths
 from cpuforge.tasks.engine.hardware import int8_dot_product
 from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.records.errors import UserError
@@ -297,3 +297,24 @@ def test_llama_cpp_scores_the_val_text_as_cpuforge_does(stage_inputs, gguf_files
         with torch.no_grad():
             ours.append(mean_nll(model(torch.tensor([window]))[0][0].numpy(), window))
     assert abs(np.mean(theirs) / np.mean(ours) - 1) <= tolerance
+
+
+def test_evaluate_measures_the_gguf_files_in_llama_cpp(stage_inputs, gguf_files):
+    """What evaluate adds to its table where llama.cpp is installed: each file measured in a process of its own,
+    scoring the val text as cpuforge's own model does it (within 1% for Q8_0), with speeds, size and samples."""
+    pytest.importorskip("llama_cpp", reason="llama.cpp is not installed")
+    from cpuforge.tasks.engine.scoring import score_tokens
+    from cpuforge.tasks.stages.evaluate import measure_ggufs
+
+    tokenized, recovered = stage_inputs
+    e = load_config("tiny", overrides=["eval.max_tokens=512", "eval.max_new_tokens=8", "eval.decode_tokens=8"]).eval
+    measured = measure_ggufs(e, tokenized, {"gguf-q8_0": gguf_files["gguf_q8_0"]}, ["def "])
+    assert [m["variant"] for m in measured] == ["gguf-q8_0"]
+    (q8,) = measured
+    lm = load_language_model(recovered.path("model"))
+    val = open_shards(Path(tokenized.output_dir), BLOCK).val[:e.max_tokens + 1]
+    ours = score_tokens(lm, np.asarray(val), token_byte_lengths(lm.tokenizer))
+    assert q8["val_tokens"] == ours.tokens and q8["val_bpb"] == pytest.approx(ours.val_bpb, rel=0.01)
+    assert q8["format"] == "gguf" and q8["runtime"] == "llama.cpp" and q8["params"] == lm.params
+    assert q8["prefill_tok_s"] > 0 and q8["decode_tok_s"] > 0 and q8["peak_rss_mb"] > 0
+    assert q8["file_bytes"] == gguf_files["gguf_q8_0"].stat().st_size and q8["samples"]["def "].startswith("def ")

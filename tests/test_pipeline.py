@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from cpuforge.flows.cli import main
+from cpuforge.models import llama_cpp_runtime
 from cpuforge.tasks import stages as registry
+from cpuforge.tasks.stages.evaluate import GGUF_VARIANTS
 from tests.conftest import corpus_bytes
 
 pytestmark = pytest.mark.slow
@@ -155,7 +157,8 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
     code, rebuilt = run_cli(tmp_path, workdir, "--set", f"data.source={text_corpus}", "--set", "prune.keep_ratio=0.6",
                             "--rebuild", "quantize")
     # gguf reads recover's model, not quantize's: it stays cached
-    assert code == 0 and [rebuilt["stages"][n]["status"] for n in stages] == ["cached"] * 5 + ["completed"] * 2 + ["cached"]
+    assert code == 0 and [rebuilt["stages"][n]["status"] for n in stages] == ["cached"] * 5 + ["completed", "cached",
+                                                                                               "completed"]
     assert rebuilt["stages"]["quantize"]["output_dir"] == later["stages"]["quantize"]["output_dir"]
 
     # What the weekly deployment runs: continue from the champion. The champion already learned from
@@ -203,7 +206,9 @@ def check_deploy_stages(summary: dict, client, workdir: Path) -> None:
     assert exported["metrics"]["parity_max_abs_diff"] < 1e-3 and exported["metrics"]["generation_match"] == 1.0
     assert quantized["metrics"]["int8_bytes"] < quantized["metrics"]["fp32_bytes"] / 2.5
     variants = evaluated["variants"]
-    assert [v["variant"] for v in variants] == [spec.evaluates[0] for spec in registry.PIPELINE if spec.evaluates]
+    with_llama_cpp = llama_cpp_runtime.missing() is None  # the GGUF files are measured where it is installed
+    assert [v["variant"] for v in variants] == [spec.evaluates[0] for spec in registry.PIPELINE if spec.evaluates] + (
+        list(GGUF_VARIANTS) if with_llama_cpp else [])
     for v in variants:
         assert {"variant", "params", "file_bytes", "val_bpb", "ppl", "prefill_tok_s", "decode_tok_s"} <= set(v)
         assert v["val_bpb"] > 0 and v["prefill_tok_s"] > 0 and v["decode_tok_s"] > 0 and v["peak_rss_mb"] > 0
@@ -218,6 +223,13 @@ def check_deploy_stages(summary: dict, client, workdir: Path) -> None:
     assert saved["pruned"]["timed_as"] == "recovered" and "timed_as" not in saved["recovered"]
     assert by_name["pruned"]["decode_tok_s"] == by_name["recovered"]["decode_tok_s"]
     assert "pruned runs the same computation as recovered" in (out / "report.md").read_text()
+    if with_llama_cpp:  # the same weights in llama.cpp score as they do in cpuforge
+        assert by_name["gguf-q8_0"]["val_bpb"] == pytest.approx(by_name["recovered"]["val_bpb"], rel=0.01)
+        assert by_name["gguf-q4_0"]["file_bytes"] < by_name["gguf-q8_0"]["file_bytes"]
+        assert "gguf-q8_0, gguf-q4_0 run in llama.cpp (llama-cpp-python " in (out / "report.md").read_text()
+    else:
+        assert ("gguf-q8_0, gguf-q4_0 not measured: llama.cpp is not installed: pip install 'cpuforge[bench]'"
+                in (out / "report.md").read_text())
     assert (out / "quality_vs_size_speed.png").stat().st_size > 10_000
     eval_run = client.get_run(evaluated["mlflow_run_id"])
     assert eval_run.data.metrics["onnx-int8/val_bpb"] == by_name["onnx-int8"]["val_bpb"]

@@ -1,6 +1,6 @@
 """budget.minutes: one wall-clock target for the whole job, planned into the training stages' minutes for the
 model at hand, and caps evaluate's and quantize's speed timing rounds at PROBE_SHARE of it each. The stages
-that train nothing (adopt, prune, export, quantize, evaluate, gguf, register) cost about
+that train nothing (adopt, prune, export, quantize, gguf, evaluate, register) cost about
 in proportion to the parameters they handle, the model before pruning and after; what is left trains. In `run`,
 budget.pretrain_share of it pretrains and the rest recovers; `compress` has no pretraining, so all of it recovers.
 

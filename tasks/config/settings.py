@@ -272,7 +272,7 @@ class PruneConfig(Section):
     width_multiple: int = Field(32, gt=0, description="keep_ratio's d_model and d_mlp are multiples of this (the MLP "
                                 "takes what the budget leaves). 32 puts every row in whole blocks of the gguf stage's "
                                 "Q8_0 and Q4_0, which a run that makes GGUF files needs; 8 is a finer grid for runs "
-                                "that stop before it (--stop-after evaluate): -1.1% bits per byte after recovery on a "
+                                "that stop before it (--stop-after quantize): -1.1% bits per byte after recovery on a "
                                 "1.26M model (benchmarks/prune_widths.py).")
     calib_batches: int = Field(16, gt=0, description="Train-split batches used to score importance.")
     batch_size: int = Field(8, gt=0, description="Sequences per calibration and validation batch.")
@@ -340,7 +340,8 @@ class QuantizeConfig(Section):
         "ONNX model's compete on speed (prefill and decode, see tasks/stages/quantize.py); if none is, keep the most accurate.")
     min_token_agreement: float = Field(
         0.97, ge=0, le=1, description="...and whose greedy next-token choice agrees with the fp32 ONNX model's on at "
-        "least this fraction of the scored tokens.")
+        "least this fraction of the scored tokens where fp32 is confident (its top choice has probability >= 0.5; "
+        "elsewhere near-ties flip with any rounding).")
     score_tokens: int = Field(16_384, gt=0, description="Val tokens each quantized candidate is scored on.")
     speed_seconds: float | None = Field(
         None, gt=0, description="Wall-clock cap on the candidates' timing rounds (warm-up included): after the "

@@ -1,5 +1,6 @@
 """`python -m cpuforge.tasks.engine.measure ARGS.json RESULT.json`: measure one model variant in a process of its own
-(or, with ``"speeds": true`` in ARGS, time every variant in alternation, see scoring.measure_speeds).
+(or, with ``"speeds": true`` in ARGS, time every variant in alternation, see scoring.measure_speeds; with
+``"gguf": true``, a GGUF file in llama.cpp, see llama_cpp_measure).
 
 A fresh interpreter (not a multiprocessing child, which would inherit the parent's sys.path,
 polluted by onnxruntime.quantization with a folder holding another package named `models`),
@@ -25,7 +26,10 @@ def _progress(line: str) -> None:
 
 def main(args_path: str, result_path: str) -> None:
     kwargs = json.loads(Path(args_path).read_text())
-    measure = measure_speeds if kwargs.pop("speeds", False) else measure_variant
+    if kwargs.pop("gguf", False):  # a GGUF file in llama.cpp
+        from cpuforge.tasks.engine.llama_cpp_measure import measure_gguf as measure
+    else:
+        measure = measure_speeds if kwargs.pop("speeds", False) else measure_variant
     atomic_write_json(Path(result_path), measure(**kwargs, progress=_progress))
 
 

@@ -55,9 +55,10 @@ def score_tokens(lm: LanguageModel, tokens: np.ndarray, byte_lengths: np.ndarray
 
 
 def score_and_greedy(lm: LanguageModel, tokens: np.ndarray, byte_lengths: np.ndarray, batch_size: int = 8,
-                     progress: Callable[[int, int], None] | None = None) -> tuple[Score, np.ndarray]:
-    """score_tokens, and the model's greedy (argmax) choice at every scored position, from the same
-    forward passes: two models' greedy choices on the same tokens compare as token agreement.
+                     progress: Callable[[int, int], None] | None = None) -> tuple[Score, np.ndarray, np.ndarray]:
+    """score_tokens, the model's greedy (argmax) choice at every scored position and the probability it gives
+    that choice, from the same forward passes: two models' greedy choices on the same tokens compare as token
+    agreement, counted where the reference model is confident (quantize's gate).
     ``progress(tokens scored, tokens to score)`` is called after every batch."""
     block = lm.cfg.block_size
     tokens = np.asarray(tokens, dtype=np.int64)
@@ -70,19 +71,27 @@ def score_and_greedy(lm: LanguageModel, tokens: np.ndarray, byte_lengths: np.nda
         windows.append((tokens[n_full * block:-1][None], tokens[n_full * block + 1:][None]))
     nll, n_bytes, n_tokens = 0.0, 0, 0
     greedy: list[np.ndarray] = []
+    top_p: list[np.ndarray] = []
     for x_all, y_all in windows:
         for i in range(0, len(x_all), batch_size):
             x, y = x_all[i:i + batch_size], y_all[i:i + batch_size]
             logits = lm.decoder.logits(x)
             nll += _log_softmax_nll(logits, y)
             greedy.append(logits.argmax(-1).reshape(-1))
+            top_p.append(_top_probability(logits).reshape(-1))
             n_bytes += int(byte_lengths[y].sum())
             n_tokens += y.size
             if progress is not None:
                 progress(n_tokens, len(tokens) - 1)
     loss = nll / n_tokens
     score = Score(round(bits_per_byte(nll, n_bytes), 5), round(math.exp(loss), 4), round(loss, 5), n_tokens, n_bytes)
-    return score, np.concatenate(greedy)
+    return score, np.concatenate(greedy), np.concatenate(top_p)
+
+
+def _top_probability(logits: np.ndarray) -> np.ndarray:
+    """The softmax probability of each position's argmax: exp(max - logsumexp), in float32."""
+    z = torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
+    return torch.exp(z.max(-1).values - torch.logsumexp(z, -1)).numpy()
 
 
 def score_text(lm: LanguageModel, text: str, batch_size: int = 8) -> Score:

@@ -49,15 +49,8 @@ QUANTIZE = StageSpec(
     needs=("tokenize", "recover", "export"), provides=("onnx",), evaluates=("onnx-int8", "onnx"),
 )
 
-_MODEL_STAGES = (PRETRAIN, PRUNE, RECOVER, EXPORT, QUANTIZE)
-EVALUATE = StageSpec(
-    name="evaluate", version="2", sections=("eval",), module="cpuforge.tasks.stages.evaluate",  # 2: speeds alternate
-    # every stage that makes a model variant: evaluate measures them all on the same tokens
-    needs=("tokenize", *(spec.name for spec in _MODEL_STAGES)), provides=("variants", "report", "samples"),
-)
-
-# The final model as GGUF for llama.cpp. After evaluate: it takes only tokenize and recover, and
-# `--rebuild evaluate` need not redo it.
+# The recovered model as GGUF for llama.cpp. It takes only tokenize and recover (`--rebuild quantize` need not redo
+# it); evaluate measures its files in llama.cpp where llama.cpp is installed.
 GGUF = StageSpec(
     # 2: a q4_0 file; a matrix that does not fit a type's blocks is an error, not an f16 fallback
     name="gguf", version="2", sections=(), module="cpuforge.tasks.stages.gguf", needs=("tokenize", "recover"),
@@ -65,7 +58,15 @@ GGUF = StageSpec(
 )
 GGUF_BLOCK = 32  # values per block of a Q8_0 or Q4_0 row: every quantized matrix's width must be a multiple
 
-PIPELINE: tuple[StageSpec, ...] = (TOKENIZE, *_MODEL_STAGES, EVALUATE, GGUF)
+_MODEL_STAGES = (PRETRAIN, PRUNE, RECOVER, EXPORT, QUANTIZE)
+EVALUATE = StageSpec(
+    # 2: speeds alternate; 3: the GGUF files in llama.cpp
+    name="evaluate", version="3", sections=("eval",), module="cpuforge.tasks.stages.evaluate",
+    # every stage that makes a model variant, and the GGUF files: evaluate measures them all on the same tokens
+    needs=("tokenize", *(spec.name for spec in _MODEL_STAGES), "gguf"), provides=("variants", "report", "samples"),
+)
+
+PIPELINE: tuple[StageSpec, ...] = (TOKENIZE, *_MODEL_STAGES, GGUF, EVALUATE)
 COMPRESS: tuple[StageSpec, ...] = tuple(ADOPT if spec is PRETRAIN else spec for spec in PIPELINE)
 BY_NAME = {spec.name: spec for spec in (*PIPELINE, ADOPT)}
 

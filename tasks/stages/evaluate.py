@@ -31,11 +31,13 @@ from typing import Any
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.context import TaskRunContext
 
+from cpuforge.models import llama_cpp_runtime
 from cpuforge.models.fileio import atomic_write_json, atomic_write_text
 from cpuforge.tasks import stages
 from cpuforge.tasks.config.settings import EvalConfig
 from cpuforge.tasks.engine.data import corpus_prompts, open_shards
 from cpuforge.tasks.engine.hardware import available_cores
+from cpuforge.tasks.engine.llama_cpp_measure import PASSES
 from cpuforge.tasks.engine.measure import PROGRESS
 from cpuforge.tasks.infra import live, tracking
 from cpuforge.tasks.infra.stage import StageOutput, StageRun
@@ -48,6 +50,7 @@ SPEC = stages.EVALUATE
 SPEED_ROUNDS = 5
 MIN_SPEED_ROUNDS = 2  # with eval.speed_seconds: rounds past this start only while the time allows
 BASELINE, FINAL = stages.BASELINE_VARIANT, stages.FINAL_VARIANT
+GGUF_VARIANTS = {"gguf-q8_0": "gguf_q8_0", "gguf-q4_0": "gguf_q4_0"}  # variant -> the gguf stage's output
 SUMMARY_KEYS = ("variant", "format", "params", "file_bytes", "val_bpb", "ppl", "prefill_tok_s",
                 "prefill_tok_s_by_batch", "decode_tok_s", "peak_rss_mb")
 
@@ -87,21 +90,40 @@ def _measure_in_fresh_process(name: str, on_progress: Callable[[str], None], **k
         return json.loads(result.read_text())
 
 
+def gguf_paths(inputs: dict[str, StageRecord]) -> dict[str, Path]:
+    """The gguf stage's quantized files, as variants measured in llama.cpp."""
+    if "gguf" not in inputs:
+        return {}
+    return {variant: inputs["gguf"].path(output) for variant, output in GGUF_VARIANTS.items()}
+
+
 def work(run: StageRun, eval: EvalConfig) -> StageOutput:  # noqa: A002 (the section's name)
-    return evaluate(eval, run.inputs["tokenize"], variant_paths(run.inputs), run.out_dir, run.run_id, run.report)
+    return evaluate(eval, run.inputs["tokenize"], variant_paths(run.inputs), run.out_dir, run.run_id, run.report,
+                    gguf_paths(run.inputs))
 
 
 def evaluate(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Path], out_dir: Path, run_id: str,
-             report: live.Report = live.nothing) -> StageOutput:
+             report: live.Report = live.nothing, ggufs: dict[str, Path] | None = None) -> StageOutput:
     """Every variant measured alike; ``report(fraction, headline)`` follows it variant by variant
-    (the speed rounds over all of them count as one more)."""
+    (the speed rounds over all of them count as one more). GGUF files (`ggufs`) are measured in llama.cpp
+    after the rest where it is installed; where it is not, the report says so."""
     started = time.perf_counter()
     prompts = e.prompts or corpus_prompts(open_shards(Path(tokenized.output_dir), 0))
     variants = measure_variants(e, tokenized, paths, prompts, report)
+    llama_cpp_note = ""
+    if ggufs:
+        if (llama_cpp_note := llama_cpp_runtime.missing() or "") == "":
+            variants += measure_ggufs(e, tokenized, ggufs, prompts)
+            llama_cpp_note = (f"{', '.join(ggufs)} run in llama.cpp ({llama_cpp_runtime.version()}), each in a "
+                              "process of its own after the others: prefill at batch 1 only, each speed the best of "
+                              f"{PASSES} passes")
+        else:
+            log.info("the GGUF files are not measured: %s", llama_cpp_note)
+            llama_cpp_note = f"{', '.join(ggufs)} not measured: {llama_cpp_note}"
     metrics = evaluate_metrics(variants, e.batch_sizes)
 
     atomic_write_json(out_dir / "variants.json", variants)
-    atomic_write_text(out_dir / "report.md", report_markdown(variants, metrics, e.batch_sizes))
+    atomic_write_text(out_dir / "report.md", report_markdown(variants, metrics, e.batch_sizes, llama_cpp_note))
     atomic_write_text(out_dir / "samples.txt", samples_text(variants))
     plot_variants(variants, out_dir / "quality_vs_size_speed.png", e.batch_sizes[0])
     tracking.log_table(run_id, table_rows(variants), "variants_table.json")
@@ -161,6 +183,22 @@ def measure_variants(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Pat
     return variants
 
 
+def measure_ggufs(e: EvalConfig, tokenized: StageRecord, ggufs: dict[str, Path],
+                  prompts: list[str]) -> list[dict[str, Any]]:
+    """Each GGUF file in llama.cpp, in a fresh process of its own (tasks/engine/llama_cpp_measure.py)."""
+    measured = []
+    for name, path in ggufs.items():
+        result = _measure_in_fresh_process(
+            name, lambda line, name=name: log.info("%s: %s", name, line), gguf=True, model_path=str(path),
+            tokenize_dir=tokenized.output_dir, max_tokens=e.max_tokens, prompts=prompts,
+            max_new_tokens=e.max_new_tokens, decode_tokens=e.decode_tokens, threads=available_cores(), seed=SAMPLE_SEED)
+        measured.append({"variant": name, **result})
+        log.info("%-10s %9s params %8.2f MB  bpb %.4f  prefill %8.0f tok/s  decode %6.0f tok/s  rss %5.0f MB "
+                 "(llama.cpp)", name, f"{result['params']:,}", result["file_bytes"] / 1e6, result["val_bpb"],
+                 result["prefill_tok_s"], result["decode_tok_s"], result["peak_rss_mb"])
+    return measured
+
+
 def evaluate_metrics(variants: list[dict[str, Any]], batch_sizes: list[int]) -> dict[str, float | int]:
     """The final variant against the baseline first (the run table shows the first few), then every
     variant's figures by name; "seconds" is filled in when the stage ends."""
@@ -203,7 +241,8 @@ def samples_text(variants: list[dict[str, Any]]) -> str:
     return "\n".join(parts)
 
 
-def report_markdown(variants: list[dict[str, Any]], metrics: dict[str, Any], batch_sizes: list[int]) -> str:
+def report_markdown(variants: list[dict[str, Any]], metrics: dict[str, Any], batch_sizes: list[int],
+                    llama_cpp_note: str = "") -> str:
     b0 = batch_sizes[0]
     prefill_cols = " | ".join(f"prefill tok/s b{b}" for b in batch_sizes)
     lines = [
@@ -219,13 +258,15 @@ def report_markdown(variants: list[dict[str, Any]], metrics: dict[str, Any], bat
         "|---|---|---|---|---|---|" + "---|" * len(batch_sizes) + "---|---|",
     ]
     for v in variants:
-        speeds = " | ".join(f"{v['prefill_tok_s_by_batch'][str(b)]:,.0f}" for b in batch_sizes)
+        by_batch = v["prefill_tok_s_by_batch"]
+        speeds = " | ".join(f"{by_batch[str(b)]:,.0f}" if str(b) in by_batch else "-" for b in batch_sizes)
         lines.append(f"| {v['variant']} | {v['format']} | {v['params']:,} | {v['file_bytes'] / 1e6:.2f} | "
                      f"{v['val_bpb']:.4f} | {v['ppl']:.2f} | {speeds} | {v['decode_tok_s']:,.0f} | {v['peak_rss_mb']:,.0f} |")
     shared = [f"{v['variant']} runs the same computation as {v['timed_as']} (format, shapes, file size): its speeds "
               "are that model's, timed once" for v in variants if v.get("timed_as")]
-    if shared:
-        lines += [""] + [f"- {line}" for line in shared]
+    notes = shared + ([llama_cpp_note] if llama_cpp_note else [])
+    if notes:
+        lines += [""] + [f"- {line}" for line in notes]
     lines += ["", "### Samples (temperature 0.8, top-k 40, same seed for every variant)", ""]
     for v in variants:
         lines.append(f"**{v['variant']}**")

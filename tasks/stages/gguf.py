@@ -39,7 +39,7 @@ FILES = {"gguf_f32": ("model-f32.gguf", "f32"), "gguf_q8_0": ("model-q8_0.gguf",
 STEP = {"Q8_0": 127, "Q4_0": 8}
 STEP_SLACK = {"Q8_0": 0.5 + 127 * 2**-11 + 0.01, "Q4_0": 1.0 + 8 * 2**-11 + 0.01}
 FIX = ("prune to widths that are multiples of 32 (prune.width_multiple=32, the default; explicit prune.d_model "
-       "and prune.d_mlp likewise), or stop before this stage (--stop-after evaluate)")
+       "and prune.d_mlp likewise), or stop before this stage (--stop-after quantize)")
 
 
 def work(run: StageRun) -> StageOutput:

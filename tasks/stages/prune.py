@@ -69,9 +69,12 @@ def _shrink_width(cfg: LlamaConfig, budget: int, multiple: int) -> LlamaConfig:
     for _ in range(40):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if config_param_count(at(mid)) <= budget else (lo, mid)
-    mlp_widths = sorted({*range(multiple, cfg.d_mlp + 1, multiple), cfg.d_mlp}, reverse=True)
-    grid_points = {min(cfg.d_model, max(model_multiple, model_multiple * step(cfg.d_model * hi / model_multiple)))
-                   for step in (math.floor, math.ceil)}
+    # On the grid only, the model's own widths included only where they are on it (a 176-wide MLP stays whole
+    # at no width_multiple of 32: its rows would not fit the GGUF files' blocks)
+    mlp_widths = range(cfg.d_mlp - cfg.d_mlp % multiple, 0, -multiple)
+    widest = cfg.d_model - cfg.d_model % model_multiple
+    grid_points = {min(widest, max(model_multiple, model_multiple * step(cfg.d_model * hi / model_multiple)))
+                   for step in (math.floor, math.ceil)} - {0}
     fits = [next((shaped(d_model, d_mlp) for d_mlp in mlp_widths
                   if config_param_count(shaped(d_model, d_mlp)) <= budget), None) for d_model in sorted(grid_points)]
     fits = [shape for shape in fits if shape is not None]
