@@ -361,9 +361,10 @@ def build_candidates(q: QuantizeConfig, methods: list[str], fp32: Any, prepared:
                            "token_agreement": round(float((greedy == fp32_greedy).mean()), 5),
                            "confident_agreement": confident_agreement(greedy, fp32_greedy, fp32_top),
                            "quantize_seconds": round(time.perf_counter() - t0, 2)}
-        log.info("%s: %.2f MB, val bpb %.4f, greedy agreement %.4f (%.4f where fp32 is confident)", method,
+        log.info("%s: %.2f MB, val bpb %.4f, greedy agreement %.4f (%s)", method,
                  results[method]["file_bytes"] / 1e6, results[method]["val_bpb"], results[method]["token_agreement"],
-                 results[method]["confident_agreement"])
+                 f"{results[method]['confident_agreement']:.4f} where fp32 is confident" if confident.any()
+                 else "fp32 is confident nowhere: bits per byte decides")
         report(0.05 + 0.45 * (i + 1) / len(methods),
                {"phase": "quantizing", **{f"{name} val bits per byte": r["val_bpb"] for name, r in results.items()}})
         del lm  # one candidate loaded at a time while building: the next builder needs the memory (static
