@@ -50,12 +50,13 @@ def weight_count(path: Path) -> int:
 
 
 class LlamaCppModel:
-    """One GGUF file in llama.cpp with a context of `context` tokens. `plain_buffers` keeps the weights in
+    """One GGUF file in llama.cpp with a context of `context` tokens (`options`: more of llama_cpp.Llama's
+    arguments). `plain_buffers` keeps the weights in
     llama.cpp's plain CPU buffers: on a CPU with AMX-INT8 its AMX buffer type crashed on any batch of more than
     one token of a Q8_0 model (llama-cpp-python 0.3.36; ggml-org/llama.cpp#20824)."""
 
     def __init__(self, path: Path, context: int, threads: int, logits_all: bool = False,
-                 plain_buffers: bool = False) -> None:
+                 plain_buffers: bool = False, **options) -> None:
         import llama_cpp
 
         bindings = llama_cpp.llama_cpp  # where Llama() reads its default model parameters from
@@ -71,7 +72,7 @@ class LlamaCppModel:
         try:
             self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=context, n_batch=context, n_ubatch=context,
                                        n_threads=threads, n_threads_batch=threads, logits_all=logits_all,
-                                       verbose=False)
+                                       verbose=False, **options)
         finally:
             bindings.llama_model_default_params = defaults
         self.context = context

@@ -22,6 +22,7 @@ from cpuforge.models.checkpoint import load_model, save_model
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.gguf_export import GGUFExportError, write_gguf
 from cpuforge.models.llama import Llama
+from cpuforge.models.llama_cpp_runtime import LlamaCppModel
 from cpuforge.models.runtime import generate, load_language_model
 from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import BatchSampler, open_shards, token_byte_lengths
@@ -199,21 +200,8 @@ def llama_cpp_model(path: Path, logits_all: bool = False, f32_cache: bool = Fals
         "llama_cpp", reason="llama.cpp is not installed: `pip install llama-cpp-python` (builds from source, "
                             "~6 min; too long for CI) to check GGUF files against llama.cpp itself")
     cache = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32} if f32_cache else {}
-    bindings = llama_cpp.llama_cpp  # where Llama() reads its default model parameters from
-    defaults = bindings.llama_model_default_params
-
-    def without_extra_buffers():
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-
-    if int8_dot_product() == "amx_int8":
-        bindings.llama_model_default_params = without_extra_buffers
-    try:
-        return llama_cpp.Llama(model_path=str(path), n_ctx=BLOCK, n_threads=2, logits_all=logits_all,
-                               verbose=False, **cache)
-    finally:
-        bindings.llama_model_default_params = defaults
+    return LlamaCppModel(path, BLOCK, threads=2, logits_all=logits_all,
+                         plain_buffers=int8_dot_product() == "amx_int8", **cache).llm
 
 
 def llama_cpp_greedy(llm, prompt: list[int], n: int) -> list[int]:
