@@ -80,8 +80,8 @@ EDITS = {
     "config loading": (SETTINGS, "def available_profiles() -> list[str]:\n",
                        "def available_profiles() -> list[str]:\n    assert PROFILES_DIR\n", set()),
     # the registry and the infrastructure run, key and report stages; they compute nothing in them
-    "registry": ("tasks/stages/__init__.py", "# The final model as GGUF", "# A new stage here.\n# The final model as GGUF",
-                 set()),
+    "registry": ("tasks/stages/__init__.py", "# The recovered model as GGUF",
+                 "# A new stage here.\n# The recovered model as GGUF", set()),
     "tracking": ("tasks/infra/tracking.py", "def log_run_metrics(",
                  "def unused_helper():\n    pass\n\n\ndef log_run_metrics(", set()),
 }
