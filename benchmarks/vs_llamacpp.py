@@ -67,11 +67,8 @@ def gguf_child(path: Path, job: dict) -> dict:
         llm = LlamaCppModel(path, block, threads, logits_all=True, plain_buffers=plain)
         nll, n_bytes, n_tokens = llm.nll(np.load(job["tokens"]), np.load(job["byte_lengths"]))
         return {"val_bpb": round(bits_per_byte(nll, n_bytes), 5), "val_tokens": n_tokens}
-    llm = LlamaCppModel(path, block, threads, plain_buffers=plain)
-    ids = np.random.default_rng(0).integers(0, llm.llm.n_vocab(), size=block).tolist()  # scoring._prefill_ids's draw
-    llm.prefill_seconds(ids), llm.decode_seconds(job["decode_tokens"])  # warm-up
-    return {"prefill_tok_s": block / min(llm.prefill_seconds(ids) for _ in range(3)),
-            "decode_tok_s": 1.0 / min(llm.decode_seconds(job["decode_tokens"]) for _ in range(3))}
+    prefill, decode = LlamaCppModel(path, block, threads, plain_buffers=plain).best_speeds(job["decode_tokens"])
+    return {"prefill_tok_s": prefill, "decode_tok_s": decode}
 
 
 # --- parent: rotate fresh processes ----------------------------------------------------------------------

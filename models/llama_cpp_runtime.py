@@ -116,6 +116,14 @@ class LlamaCppModel:
             token = self._next_token()
         return (time.perf_counter() - started) / (n - 1)
 
+    def best_speeds(self, decode_tokens: int, passes: int = 3) -> tuple[float, float]:
+        """(prefill, decode) tokens/s, each the best of `passes` after one warm-up: prefill of one full-context
+        sequence of random ids (scoring._prefill_ids's draw), decode_seconds for decode."""
+        ids = np.random.default_rng(0).integers(0, self.llm.n_vocab(), size=self.context).tolist()
+        self.prefill_seconds(ids), self.decode_seconds(decode_tokens)  # first-call allocations are not throughput
+        prefill = self.context / min(self.prefill_seconds(ids) for _ in range(passes))
+        return prefill, 1.0 / min(self.decode_seconds(decode_tokens) for _ in range(passes))
+
     def sample(self, prompt: str, max_new_tokens: int, seed: int) -> str:
         """The prompt and a continuation sampled by llama.cpp at temperature 0.8, top-k 40 (its own sampler and
         random numbers: the same settings as cpuforge's samples, not the same draws)."""

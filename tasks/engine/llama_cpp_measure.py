@@ -33,10 +33,7 @@ def measure_gguf(model_path: str, tokenize_dir: str, max_tokens: int, prompts: l
     samples = {prompt: scorer.sample(prompt, max_new_tokens, seed) for prompt in prompts}
     del scorer
     timer = LlamaCppModel(path, context, threads, plain_buffers=plain)
-    ids = np.random.default_rng(0).integers(0, timer.llm.n_vocab(), size=context).tolist()  # scoring's draw
-    timer.prefill_seconds(ids), timer.decode_seconds(decode_tokens)  # warm-up
-    prefill = context / min(timer.prefill_seconds(ids) for _ in range(PASSES))
-    decode = 1.0 / min(timer.decode_seconds(decode_tokens) for _ in range(PASSES))
+    prefill, decode = timer.best_speeds(decode_tokens, PASSES)
     if progress is not None:
         progress(f"prefill {prefill:,.0f} tok/s, decode {decode:,.0f} tok/s (best of {PASSES})")
     loss = nll / max(1, n_tokens)

@@ -111,15 +111,13 @@ def evaluate(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Path], out_
     prompts = e.prompts or corpus_prompts(open_shards(Path(tokenized.output_dir), 0))
     variants = measure_variants(e, tokenized, paths, prompts, report)
     llama_cpp_note = ""
-    if ggufs:
-        if (llama_cpp_note := llama_cpp_runtime.missing() or "") == "":
-            variants += measure_ggufs(e, tokenized, ggufs, prompts)
-            llama_cpp_note = (f"{', '.join(ggufs)} run in llama.cpp ({llama_cpp_runtime.version()}), each in a "
-                              "process of its own after the others: prefill at batch 1 only, each speed the best of "
-                              f"{PASSES} passes")
-        else:
-            log.info("the GGUF files are not measured: %s", llama_cpp_note)
-            llama_cpp_note = f"{', '.join(ggufs)} not measured: {llama_cpp_note}"
+    if ggufs and (missing := llama_cpp_runtime.missing()):
+        log.info("the GGUF files are not measured: %s", missing)
+        llama_cpp_note = f"{', '.join(ggufs)} not measured: {missing}"
+    elif ggufs:
+        variants += measure_ggufs(e, tokenized, ggufs, prompts)
+        llama_cpp_note = (f"{', '.join(ggufs)} run in llama.cpp ({llama_cpp_runtime.version()}), each in a process "
+                          f"of its own after the others: prefill at batch 1 only, each speed the best of {PASSES} passes")
     metrics = evaluate_metrics(variants, e.batch_sizes)
 
     atomic_write_json(out_dir / "variants.json", variants)
@@ -177,10 +175,15 @@ def measure_variants(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Pat
         min_rounds=MIN_SPEED_ROUNDS if capped else SPEED_ROUNDS, seconds=e.speed_seconds)
     for v in variants:
         v.update(speeds[v["variant"]])
-        log.info("%-10s %9s params %8.2f MB  bpb %.4f  prefill %8.0f tok/s  decode %6.0f tok/s  rss %5.0f MB%s",
-                 v["variant"], f"{v['params']:,}", v["file_bytes"] / 1e6, v["val_bpb"], v["prefill_tok_s"],
-                 v["decode_tok_s"], v["peak_rss_mb"], f" (timed as {v['timed_as']})" if v.get("timed_as") else "")
+        log_row(v, f" (timed as {v['timed_as']})" if v.get("timed_as") else "")
     return variants
+
+
+def log_row(v: dict[str, Any], note: str = "") -> None:
+    """One variant's figures as a line of the log."""
+    log.info("%-10s %9s params %8.2f MB  bpb %.4f  prefill %8.0f tok/s  decode %6.0f tok/s  rss %5.0f MB%s",
+             v["variant"], f"{v['params']:,}", v["file_bytes"] / 1e6, v["val_bpb"], v["prefill_tok_s"],
+             v["decode_tok_s"], v["peak_rss_mb"], note)
 
 
 def measure_ggufs(e: EvalConfig, tokenized: StageRecord, ggufs: dict[str, Path],
@@ -193,9 +196,7 @@ def measure_ggufs(e: EvalConfig, tokenized: StageRecord, ggufs: dict[str, Path],
             tokenize_dir=tokenized.output_dir, max_tokens=e.max_tokens, prompts=prompts,
             max_new_tokens=e.max_new_tokens, decode_tokens=e.decode_tokens, threads=available_cores(), seed=SAMPLE_SEED)
         measured.append({"variant": name, **result})
-        log.info("%-10s %9s params %8.2f MB  bpb %.4f  prefill %8.0f tok/s  decode %6.0f tok/s  rss %5.0f MB "
-                 "(llama.cpp)", name, f"{result['params']:,}", result["file_bytes"] / 1e6, result["val_bpb"],
-                 result["prefill_tok_s"], result["decode_tok_s"], result["peak_rss_mb"])
+        log_row(measured[-1], " (llama.cpp)")
     return measured
 
 
