@@ -44,10 +44,11 @@ class GenaiBuildError(RuntimeError):
 
 def build_decoder(hf_folder: Path, target: Path, precision: str, metadata: dict[str, str],
                   accuracy_level: int | None = None, quantize_lm_head: bool = True,
-                  block_size: int = 32) -> dict[str, Any]:
+                  block_size: int = 32, algo: str = "default") -> dict[str, Any]:
     """Build the graph of the transformers folder ``hf_folder`` at ``precision`` (fp32, int8, int4) into
     the single file ``target`` with ``metadata`` attached; returns the builder's genai_config (its
-    decoder filename set to target's name). ``quantize_lm_head=False`` keeps the LM head in fp32."""
+    decoder filename set to target's name). ``quantize_lm_head=False`` keeps the LM head in fp32; ``algo`` is the
+    builder's algo_config ('default' round-to-nearest, 'k_quant', 'k_quant_last' with an int8 head, ...)."""
     import onnx  # here: runtime.py imports this module for shares_kv_buffer alone
 
     if precision not in PRECISIONS:
@@ -55,6 +56,8 @@ def build_decoder(hf_folder: Path, target: Path, precision: str, metadata: dict[
     options = []
     if PRECISIONS[precision]:
         options.append(f"block_size={block_size}")
+        if algo != "default":
+            options.append(f"algo_config={algo}")
         if accuracy_level is not None:
             options.append(f"accuracy_level={accuracy_level}")
         if not quantize_lm_head:

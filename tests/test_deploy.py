@@ -4,6 +4,7 @@ files and text."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -27,7 +28,7 @@ from cpuforge.models.runtime import (
 from cpuforge.tasks import stages
 from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths
-from cpuforge.tasks.engine.scoring import Score, alternating_speeds, score_and_greedy, score_text, score_tokens
+from cpuforge.tasks.engine.scoring import Score, alternating_speeds, score_text, score_tokens, score_with_choices
 from cpuforge.tasks.engine.training_run import run_training
 from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.records.errors import DataError
@@ -250,6 +251,27 @@ def test_model_builder_int4_candidate_is_4_bit_and_says_so(quantized):
     assert [n.op_type for n in head] == ["MatMul"]  # the LM head left in fp32
     assert {"genai-int4/token_agreement", "genai-int8/val_bpb"} <= set(metrics)
     assert metrics["weight_bits"] in (4, 8)
+
+
+def test_k_quant_candidates_are_4_bit_with_their_head_as_named_and_scored_against_fp32(quantized):
+    """genai-int4-kquant is 4-bit throughout with k-quant scales; -head8 keeps the LM head at 8 bits and the
+    lookup reads that head (no fp32 table); every candidate carries its KL to fp32, which is small, and zero for
+    fp32 itself."""
+    record, metrics = quantized
+    folder = Path(record.output_dir) / "candidates"
+    for name, head_bits in (("genai-int4-kquant", 4), ("genai-int4-kquant-head8", 8)):
+        proto = onnx.load(str(folder / f"{name}.onnx"))
+        bits = {n.name: {a.name: a.i for a in n.attribute}["bits"] for n in proto.graph.node
+                if n.op_type in ("MatMulNBits", "GatherBlockQuantized")}
+        head = next(b for n, b in bits.items() if "lm_head" in n)
+        assert head == head_bits and {b for n, b in bits.items() if "layers" in n} == {4}
+        assert not [i for i in proto.graph.initializer if len(i.dims) == 2 and i.data_type == onnx.TensorProto.FLOAT
+                    and i.dims[0] >= 256 and "scale" not in i.name]  # no fp32 matrix or table left
+        assert "k-quant" in read_metadata(folder / f"{name}.onnx")["cpuforge.quantization"]
+        assert 0 < metrics[f"{name}/kl_to_fp32"] < 0.5
+    assert metrics["fp32/kl_to_fp32"] == 0.0 and "kl_to_fp32" in metrics
+    # 8-bit weights move the distribution less than 4-bit ones
+    assert metrics["genai-int8/kl_to_fp32"] < metrics["genai-int4/kl_to_fp32"]
 
 
 def test_model_builder_int8_candidate_reads_its_embedding_from_the_int8_head(quantized, tmp_path):
@@ -555,7 +577,27 @@ def test_the_gate_counts_agreement_where_fp32_is_confident():
 def test_scoring_gives_the_probability_of_each_greedy_choice(trained, tokenized):
     lm = load_language_model(trained.path("model"))
     tokens = open_shards(Path(tokenized.output_dir), lm.cfg.block_size).val[: 2 * lm.cfg.block_size + 1]
-    _, greedy, top = score_and_greedy(lm, tokens, token_byte_lengths(lm.tokenizer))
+    scored = score_with_choices(lm, tokens, token_byte_lengths(lm.tokenizer))
     probs = torch.softmax(torch.from_numpy(lm.decoder.logits(np.asarray(tokens[:lm.cfg.block_size])[None])[0]), -1)
-    assert np.array_equal(greedy[:lm.cfg.block_size], probs.argmax(-1).numpy())
-    assert np.allclose(top[:lm.cfg.block_size], probs.max(-1).values.numpy(), atol=1e-5)
+    assert np.array_equal(scored.choices.greedy[:lm.cfg.block_size], probs.argmax(-1).numpy())
+    assert np.allclose(scored.choices.top_p[:lm.cfg.block_size], probs.max(-1).values.numpy(), atol=1e-5)
+    assert scored.kl is None and scored.score == score_tokens(lm, tokens, token_byte_lengths(lm.tokenizer))
+
+
+def test_kl_to_a_reference_is_zero_for_itself_and_bounds_the_full_kl_from_below(trained, tokenized):
+    """KL over the reference's top tokens plus one 'rest' outcome: zero for the same model, and for a model
+    whose logits are perturbed, positive and at most the exact KL over the whole vocabulary."""
+    lm = load_language_model(trained.path("model"))
+    tokens = np.asarray(open_shards(Path(tokenized.output_dir), lm.cfg.block_size).val[: lm.cfg.block_size + 1])
+    lengths = token_byte_lengths(lm.tokenizer)
+    reference = score_with_choices(lm, tokens, lengths).choices
+    assert score_with_choices(lm, tokens, lengths, reference=reference).kl == pytest.approx(0.0, abs=1e-6)
+    exact_logits = lm.decoder.logits(tokens[:-1][None])[0]
+    noise = np.random.default_rng(0).normal(0, 0.5, exact_logits.shape).astype(np.float32)
+    noisy = copy.copy(lm)
+    noisy.decoder = SimpleNamespace(cfg=lm.cfg, logits=lambda x: lm.decoder.logits(x) + noise[None, :x.shape[1]])
+    kl = score_with_choices(noisy, tokens, lengths, reference=reference).kl
+    p = torch.log_softmax(torch.from_numpy(exact_logits), -1)
+    q = torch.log_softmax(torch.from_numpy(exact_logits + noise), -1)
+    exact = float((p.exp() * (p - q)).sum(-1).mean())
+    assert 0 < kl <= exact + 1e-6 and kl > 0.5 * exact

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -51,15 +52,42 @@ def score_tokens(lm: LanguageModel, tokens: np.ndarray, byte_lengths: np.ndarray
                  progress: Callable[[int, int], None] | None = None) -> Score:
     """Bits per byte and perplexity of `tokens` (1-D): every token after the first is predicted,
     in consecutive windows of the model's context (the last one may be shorter)."""
-    return score_and_greedy(lm, tokens, byte_lengths, batch_size, progress)[0]
+    return score_with_choices(lm, tokens, byte_lengths, batch_size, progress).score
 
 
-def score_and_greedy(lm: LanguageModel, tokens: np.ndarray, byte_lengths: np.ndarray, batch_size: int = 8,
-                     progress: Callable[[int, int], None] | None = None) -> tuple[Score, np.ndarray, np.ndarray]:
-    """score_tokens, the model's greedy (argmax) choice at every scored position and the probability it gives
-    that choice, from the same forward passes: two models' greedy choices on the same tokens compare as token
-    agreement, counted where the reference model is confident (quantize's gate).
-    ``progress(tokens scored, tokens to score)`` is called after every batch."""
+# How many of each position's most likely tokens a reference keeps: the KL below is exact over them and lumps the
+# rest of the vocabulary into one outcome (a lower bound of the full KL, tight where the reference is peaked).
+REFERENCE_TOP = 32
+
+
+class Choices(NamedTuple):
+    """Each scored position's REFERENCE_TOP most likely tokens, most likely first, and their log-probabilities:
+    two models' greedy choices compare as token agreement, and a model's logits against another's Choices as KL."""
+    ids: np.ndarray  # (positions, k) int64
+    logp: np.ndarray  # (positions, k) float32
+
+    @property
+    def greedy(self) -> np.ndarray:
+        return self.ids[:, 0]
+
+    @property
+    def top_p(self) -> np.ndarray:
+        """The probability of each position's greedy choice."""
+        return np.exp(self.logp[:, 0])
+
+
+class Scored(NamedTuple):
+    score: Score
+    choices: Choices
+    kl: float | None  # mean KL(reference || model) in nats per token; None without a reference
+
+
+def score_with_choices(lm: LanguageModel, tokens: np.ndarray, byte_lengths: np.ndarray, batch_size: int = 8,
+                       progress: Callable[[int, int], None] | None = None,
+                       reference: Choices | None = None) -> Scored:
+    """score_tokens, with the model's most likely tokens at every scored position from the same forward passes
+    and, given a ``reference`` model's Choices on the same tokens, the mean KL divergence from it (quantize's
+    candidates against fp32). ``progress(tokens scored, tokens to score)`` is called after every batch."""
     block = lm.cfg.block_size
     tokens = np.asarray(tokens, dtype=np.int64)
     if len(tokens) < 2:
@@ -69,29 +97,43 @@ def score_and_greedy(lm: LanguageModel, tokens: np.ndarray, byte_lengths: np.nda
     tail = len(tokens) - 1 - n_full * block
     if tail:
         windows.append((tokens[n_full * block:-1][None], tokens[n_full * block + 1:][None]))
-    nll, n_bytes, n_tokens = 0.0, 0, 0
-    greedy: list[np.ndarray] = []
-    top_p: list[np.ndarray] = []
+    nll, kl, n_bytes, n_tokens = 0.0, 0.0, 0, 0
+    ids: list[np.ndarray] = []
+    logps: list[np.ndarray] = []
     for x_all, y_all in windows:
         for i in range(0, len(x_all), batch_size):
             x, y = x_all[i:i + batch_size], y_all[i:i + batch_size]
             logits = lm.decoder.logits(x)
             nll += _log_softmax_nll(logits, y)
-            greedy.append(logits.argmax(-1).reshape(-1))
-            top_p.append(_top_probability(logits).reshape(-1))
+            logp = torch.log_softmax(torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32)), -1)
+            logp = logp.reshape(-1, logp.shape[-1])
+            top = logp.topk(min(REFERENCE_TOP, logp.shape[-1]), -1)
+            ids.append(top.indices.numpy())
+            logps.append(top.values.numpy())
+            if reference is not None:
+                at = slice(n_tokens, n_tokens + y.size)
+                kl += _kl_over_top(torch.from_numpy(reference.logp[at]),
+                                   logp.gather(-1, torch.from_numpy(reference.ids[at])))
             n_bytes += int(byte_lengths[y].sum())
             n_tokens += y.size
             if progress is not None:
                 progress(n_tokens, len(tokens) - 1)
     loss = nll / n_tokens
     score = Score(round(bits_per_byte(nll, n_bytes), 5), round(math.exp(loss), 4), round(loss, 5), n_tokens, n_bytes)
-    return score, np.concatenate(greedy), np.concatenate(top_p)
+    return Scored(score, Choices(np.concatenate(ids), np.concatenate(logps)),
+                  None if reference is None else kl / n_tokens)
 
 
-def _top_probability(logits: np.ndarray) -> np.ndarray:
-    """The softmax probability of each position's argmax: exp(max - logsumexp), in float32."""
-    z = torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
-    return torch.exp(z.max(-1).values - torch.logsumexp(z, -1)).numpy()
+def _kl_over_top(ref_logp: torch.Tensor, logq: torch.Tensor) -> float:
+    """Summed KL(p || q) over positions, exact on the reference's top tokens, with the rest of the vocabulary as
+    one outcome: ref_logp and logq are (positions, k) log-probabilities of the same tokens."""
+    logp, logq = ref_logp.double(), logq.double()
+    p = logp.exp()
+    inside = (p * (logp - logq)).sum(-1)
+    p_rest = (1 - p.sum(-1)).clamp_min(0)
+    q_rest = (1 - logq.exp().sum(-1)).clamp_min(1e-12)
+    rest = torch.where(p_rest > 0, p_rest * (p_rest.clamp_min(1e-300).log() - q_rest.log()), torch.zeros_like(p_rest))
+    return float((inside + rest).sum())
 
 
 def score_text(lm: LanguageModel, text: str, batch_size: int = 8) -> Score:

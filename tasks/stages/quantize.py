@@ -72,7 +72,7 @@ from cpuforge.tasks import stages
 from cpuforge.tasks.config.settings import QuantizeConfig
 from cpuforge.tasks.engine.data import BatchSampler, open_shards, token_byte_lengths
 from cpuforge.tasks.engine.hardware import int8_dot_product
-from cpuforge.tasks.engine.scoring import Samples, alternating_speeds, best, score_and_greedy, spread
+from cpuforge.tasks.engine.scoring import REFERENCE_TOP, Samples, alternating_speeds, best, score_with_choices, spread
 from cpuforge.tasks.infra import live
 from cpuforge.tasks.infra.stage import StageOutput, StageRun
 from cpuforge.tasks.infra.store import StageRecord
@@ -83,13 +83,14 @@ SPEC = stages.QUANTIZE
 # Simplest first: the order a tie is broken in (a dynamic model needs no calibration data). The builder's int8
 # graph in blocks of 64 comes before blocks of 32: the same graph with half the scales, a smaller file.
 SIMPLICITY = ("dynamic-qint8", "dynamic-quint8", "genai-int8-b64", "genai-int8", "genai-int8-fp32head", "genai-int4",
-              "genai-int4-fp32head", "static-qdq")
+              "genai-int4-kquant", "genai-int4-kquant-head8", "genai-int4-fp32head", "static-qdq")
 
 
 class BuilderCandidate(NamedTuple):
     precision: str  # models/genai_build.PRECISIONS
     quantize_head: bool
     block_size: int
+    algo: str = "default"  # the builder's algo_config: round-to-nearest ('default'), or k_quant's scale search
 
 
 # The builder's candidates. With the head quantized the embedding lookup reads the head's blocks (4-bit: the
@@ -97,9 +98,14 @@ class BuilderCandidate(NamedTuple):
 # fp32 table. Blocks of 64 at int8: on the demo's pruned shapes (widths 120,
 # 192, 504 and 192, 544) they decoded 1.06-1.12x and prefilled 1.10-1.28x the speed of blocks of 32 at the same
 # bits per byte (greedy agreement with fp32 98.5% against 98.8%); which one a machine runs faster is measured.
+# At int4, k_quant (onnxruntime's k-quant scale search, llama.cpp's way of choosing each block's scale and offset
+# to minimise its error, no calibration data) against plain round-to-nearest; '-head8' keeps the LM head, the
+# single largest and most output-sensitive matrix, at int8 as llama.cpp's 4-bit mixes do (the lookup shares it).
 GENAI = {"genai-int8": BuilderCandidate("int8", True, 32), "genai-int8-b64": BuilderCandidate("int8", True, 64),
          "genai-int8-fp32head": BuilderCandidate("int8", False, 32),
-         "genai-int4": BuilderCandidate("int4", True, 32), "genai-int4-fp32head": BuilderCandidate("int4", False, 32)}
+         "genai-int4": BuilderCandidate("int4", True, 32), "genai-int4-fp32head": BuilderCandidate("int4", False, 32),
+         "genai-int4-kquant": BuilderCandidate("int4", True, 32, "k_quant"),
+         "genai-int4-kquant-head8": BuilderCandidate("int4", True, 32, "k_quant_last")}
 META_QUANTIZATION = "cpuforge.quantization"
 MIN_ROUNDS, MAX_ROUNDS = 3, 12
 # The gate's agreement counts the positions where fp32's top choice has at least this probability. Where it has
@@ -128,9 +134,10 @@ def describe(method: str) -> str:
     """What a candidate is, for the graph's metadata and the report."""
     if method in GENAI:
         c = GENAI[method]
+        head = "int8" if c.algo.endswith("_last") else c.precision if c.quantize_head else "fp32"
+        algo = "k-quant scales" if c.algo.startswith("k_quant") else "round-to-nearest"
         return (f"{method}: ONNX Runtime GenAI model builder, MatMulNBits {c.precision} weights (block {c.block_size}, "
-                f"accuracy_level {ACCURACY_LEVEL}), LM head {'quantized' if c.quantize_head else 'fp32'}, fused "
-                "GroupQueryAttention")
+                f"{algo}, accuracy_level {ACCURACY_LEVEL}), LM head {head}, fused GroupQueryAttention")
     return {"dynamic-qint8": "dynamic-qint8: onnxruntime quantize_dynamic, int8 MatMul weights",
             "dynamic-quint8": "dynamic-quint8: onnxruntime quantize_dynamic, uint8 MatMul weights",
             "static-qdq": "static-qdq: onnxruntime quantize_static, QDQ int8 weights and activations"}[method]
@@ -165,7 +172,7 @@ def quantize_one(method: str, source: Path, target: Path, reader_factory, hf_fol
     if method in GENAI:
         c = GENAI[method]
         config = build_decoder(hf_folder, target, c.precision, metadata, accuracy_level=ACCURACY_LEVEL,
-                               quantize_lm_head=c.quantize_head, block_size=c.block_size)
+                               quantize_lm_head=c.quantize_head, block_size=c.block_size, algo=c.algo)
         atomic_write_json(target.with_suffix(".genai_config.json"), config)
         return
     large = bool(onnx_files.external_files(source))  # the quantizers write external data only when told
@@ -329,10 +336,11 @@ def build_candidates(q: QuantizeConfig, methods: list[str], fp32: Any, prepared:
     skipped because the model builder refused the model. The prepared graph is removed after."""
     val_tokens, byte_lengths = scoring
     built: dict[str, Path] = {}
-    fp32_score, fp32_greedy, fp32_top = score_and_greedy(fp32, val_tokens, byte_lengths)
+    fp32_score, fp32_choices, _ = score_with_choices(fp32, val_tokens, byte_lengths)
+    fp32_greedy, fp32_top = fp32_choices.greedy, fp32_choices.top_p
     confident = fp32_top >= CONFIDENT_P
     results: dict[str, dict] = {"fp32": {"file_bytes": fp32.file_bytes, "val_bpb": fp32_score.val_bpb,
-                                         "token_agreement": 1.0, "confident_agreement": 1.0,
+                                         "token_agreement": 1.0, "confident_agreement": 1.0, "kl_to_fp32": 0.0,
                                          "confident_share": round(float(confident.mean()), 5)}}
     log.info("fp32: val bpb %.4f; confident (top-1 probability >= %g) on %.1f%% of %s scored tokens", fp32_score.val_bpb,
              CONFIDENT_P, 100 * confident.mean(), f"{confident.size:,}")
@@ -355,14 +363,17 @@ def build_candidates(q: QuantizeConfig, methods: list[str], fp32: Any, prepared:
             log.warning("%s skipped: the model builder failed (%s)", method, skipped[method])
             continue
         lm = load_language_model(target)
-        score, greedy, _ = score_and_greedy(lm, val_tokens, byte_lengths)
+        score, choices, kl = score_with_choices(lm, val_tokens, byte_lengths, reference=fp32_choices)
+        greedy = choices.greedy
         built[method] = target
         results[method] = {"file_bytes": lm.file_bytes, "val_bpb": score.val_bpb,
                            "token_agreement": round(float((greedy == fp32_greedy).mean()), 5),
                            "confident_agreement": confident_agreement(greedy, fp32_greedy, fp32_top),
+                           "kl_to_fp32": round(kl, 6),
                            "quantize_seconds": round(time.perf_counter() - t0, 2)}
-        log.info("%s: %.2f MB, val bpb %.4f, greedy agreement %.4f (%s)", method,
-                 results[method]["file_bytes"] / 1e6, results[method]["val_bpb"], results[method]["token_agreement"],
+        log.info("%s: %.2f MB, val bpb %.4f, KL to fp32 %.5f nats/token, greedy agreement %.4f (%s)", method,
+                 results[method]["file_bytes"] / 1e6, results[method]["val_bpb"], results[method]["kl_to_fp32"],
+                 results[method]["token_agreement"],
                  f"{results[method]['confident_agreement']:.4f} where fp32 is confident" if confident.any()
                  else "fp32 is confident nowhere: bits per byte decides")
         report(0.05 + 0.45 * (i + 1) / len(methods),
@@ -418,13 +429,14 @@ def quantize_metrics(results: dict[str, dict], decision: Decision, rounds: int,
         "int8_decodes_slower_than_fp32": int(decision.decodes_slower_than_fp32),
         "weight_bits": 4 if kept in GENAI and GENAI[kept].precision == "int4" else 8,
         "token_agreement": kept_r["token_agreement"], "confident_agreement": kept_r["confident_agreement"],
-        "confident_share": base["confident_share"],
+        "confident_share": base["confident_share"], "kl_to_fp32": kept_r["kl_to_fp32"],
         "rule_rounds": rounds, "rule_settled": int(decision.settled),
         **{f"rule_{k}": v for k, v in decision.margins.items()},
         "seconds": round(time.perf_counter() - started, 2),
     }
     for name, r in results.items():
-        for key in ("val_bpb", "token_agreement", "confident_agreement", "file_bytes", "prefill_tok_s", "decode_tok_s"):
+        for key in ("val_bpb", "token_agreement", "confident_agreement", "kl_to_fp32", "file_bytes", "prefill_tok_s",
+                    "decode_tok_s"):
             metrics[f"{name}/{key}"] = r[key]
     return metrics
 
@@ -450,11 +462,13 @@ def _markdown(report: dict) -> str:
              f"rounds, candidates timed in alternation{'' if report['settled'] else ' (margins still within the noise)'}.",
              f"Greedy agreement with fp32 is counted on every scored token, and where fp32 is confident (its top "
              f"choice has probability >= {CONFIDENT_P:g}: {100 * report['results']['fp32']['confident_share']:.1f}% "
-             "of them), which the gate uses.",
-             "", "| variant | file MB | val bits/byte | greedy agreement with fp32 | where fp32 is confident | "
-             "prefill tok/s (batch 1) | decode tok/s (batch 1, KV cache) |", "|---|---|---|---|---|---|---|"]
+             "of them), which the gate uses. KL to fp32: mean nats per token, exact over fp32's top "
+             f"{REFERENCE_TOP} tokens with the rest of the vocabulary as one outcome.",
+             "", "| variant | file MB | val bits/byte | KL to fp32 | greedy agreement with fp32 | where fp32 is confident | "
+             "prefill tok/s (batch 1) | decode tok/s (batch 1, KV cache) |", "|---|---|---|---|---|---|---|---|"]
     for name, r in report["results"].items():
-        lines.append(f"| {name} | {r['file_bytes'] / 1e6:.2f} | {r['val_bpb']:.4f} | {r['token_agreement']:.4f} | "
+        lines.append(f"| {name} | {r['file_bytes'] / 1e6:.2f} | {r['val_bpb']:.4f} | {r.get('kl_to_fp32', 0):.5f} | "
+                     f"{r['token_agreement']:.4f} | "
                      f"{r['confident_agreement']:.4f} | "
                      f"{r['prefill_tok_s']:,.0f} | "
                      f"{r['decode_tok_s']:,.0f} |")
