@@ -38,6 +38,8 @@ EOF
   MLFLOW_FLASK_SERVER_SECRET_KEY="${MLFLOW_FLASK_SERVER_SECRET_KEY:-$(credential MLFLOW_FLASK_SERVER_SECRET_KEY)}"
   export MLFLOW_FLASK_SERVER_SECRET_KEY="${MLFLOW_FLASK_SERVER_SECRET_KEY:?no MLFLOW_FLASK_SERVER_SECRET_KEY in $CPUFORGE_CREDENTIALS}"
   args+=(--app-name basic-auth)
+  python -c "import flask_wtf" 2>/dev/null || {
+    echo "mlflow-server.sh: MLflow's basic-auth app needs Flask-WTF: pip install -e '.[server]'" >&2; exit 1; }
 fi
 if [[ -n "${MLFLOW_ALLOWED_HOSTS:-}" ]]; then
   args+=(--allowed-hosts "$MLFLOW_ALLOWED_HOSTS")

@@ -12,7 +12,7 @@ from cpuforge.flows.session import (
     DEFAULT_WORKDIR,
     Profile,
     PruneStrategy,
-    check_gguf_widths,
+    check_before_opening,
     flow_session,
     rebuild_set,
     register_final,
@@ -38,6 +38,7 @@ def compress(
     summary_path: str = "",
     rebuild: str = "",
     stop_after: str = "",
+    registered_model: str = "",
 ) -> dict[str, Any]:
     """Compress an existing pretrained model: the registry's COMPRESS stages (adopt in pretrain's place;
     tasks/stages/__init__.py), then register it through the champion gate. The model's own shape and tokenizer
@@ -63,13 +64,17 @@ def compress(
             Empty: reuse what is there.
         stop_after: run the stages up to and including this one, then stop (e.g. prune); the model is registered
             only when evaluate ran. Empty: every stage.
+        registered_model: the MLflow registry name the model is registered under, and whose champion 'champion'
+            means. Empty: the profile's (cpuforge-lm). Smoke runs keep their own (prefect.yaml's tiny deployment:
+            cpuforge-lm-smoke), so a smoke model never becomes the champion real runs start from.
     """
     run = resolve_flow_run(profile, config_file, overrides, workdir, pretrained,
                            data_source=data_source, keep_ratio=keep_ratio, prune_strategy=prune_strategy,
-                           recover_minutes=recover_minutes)
+                           recover_minutes=recover_minutes,
+                           registered_model=registered_model)
     find = partial(find_source_task, pretrained)
     # a stage name that does not exist, or widths the GGUF files cannot hold, fail before the run opens
-    check_gguf_widths(stages_to_run(stages.COMPRESS, stop_after), run.cfg)
+    check_before_opening(stages_to_run(stages.COMPRESS, stop_after), run.cfg)
     with flow_session("compress", run, workdir, summary_path, find_pretrained=find, adopt_shape=True,
                       rebuild=rebuild_set(rebuild, stages.COMPRESS)) as (summary, ctx):
         records = run_stages(stages.COMPRESS, summary, ctx, run, stop_after)

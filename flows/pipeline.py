@@ -11,7 +11,7 @@ from cpuforge.flows.session import (
     DEFAULT_WORKDIR,
     Profile,
     PruneStrategy,
-    check_gguf_widths,
+    check_before_opening,
     flow_session,
     rebuild_set,
     register_final,
@@ -38,6 +38,7 @@ def pipeline(
     summary_path: str = "",
     rebuild: str = "",
     stop_after: str = "",
+    registered_model: str = "",
 ) -> dict[str, Any]:
     """Raw text to a small, fast, registered model: the registry's stages in order (tasks/stages/__init__.py
     PIPELINE; `cpuforge plan` lists them), then the final model is registered in MLflow and promoted to champion if
@@ -63,15 +64,19 @@ def pipeline(
             Empty: reuse what is there.
         stop_after: run the stages up to and including this one, then stop (e.g. prune); the model is registered
             only when evaluate ran. Empty: every stage.
+        registered_model: the MLflow registry name the model is registered under, and whose champion 'champion'
+            means. Empty: the profile's (cpuforge-lm). Smoke runs keep their own (prefect.yaml's tiny deployment:
+            cpuforge-lm-smoke), so a smoke model never becomes the champion real runs start from.
     """
     run = resolve_flow_run(profile, config_file, overrides, workdir, data_source=data_source,
                            pretrain_minutes=pretrain_minutes, init_from=init_from, keep_ratio=keep_ratio,
-                           prune_strategy=prune_strategy, recover_minutes=recover_minutes)
+                           prune_strategy=prune_strategy, recover_minutes=recover_minutes,
+                           registered_model=registered_model)
     find = find_init_task if run.cfg.train.init_from else None
     # A transformers checkpoint brings its own shape (as compress adopts it); cpuforge's own weights must match model.*
     adopt_shape = (run.cfg.train.init_from or "").startswith(HF_PREFIX)
     # a stage name that does not exist, or widths the GGUF files cannot hold, fail before the run opens
-    check_gguf_widths(stages_to_run(stages.PIPELINE, stop_after), run.cfg)
+    check_before_opening(stages_to_run(stages.PIPELINE, stop_after), run.cfg)
     with flow_session("pipeline", run, workdir, summary_path, find_pretrained=find, adopt_shape=adopt_shape,
                       rebuild=rebuild_set(rebuild, stages.PIPELINE)) as (summary, ctx):
         records = run_stages(stages.PIPELINE, summary, ctx, run, stop_after)

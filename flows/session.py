@@ -4,6 +4,7 @@ flow run, and each stage's Prefect state."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import uuid
@@ -16,6 +17,7 @@ from prefect.runtime import flow_run as prefect_run
 from cpuforge.tasks import stages
 from cpuforge.tasks.config.resolve import ResolvedRun, resolve_run
 from cpuforge.tasks.config.settings import Config
+from cpuforge.tasks.data.parallel_encode import choose_runner, runner_kind
 from cpuforge.tasks.engine.hardware import peak_rss_mb, reset_peak_rss
 from cpuforge.tasks.infra import confinement, tracking
 from cpuforge.tasks.infra.runner import stage_task
@@ -43,6 +45,7 @@ FORM_SETTINGS = {
     "keep_ratio": "prune.keep_ratio",
     "prune_strategy": "prune.strategy",
     "recover_minutes": "recover.max_minutes",
+    "registered_model": "tracking.registered_model",
 }
 
 
@@ -73,8 +76,13 @@ def stages_to_run(order: tuple[StageSpec, ...], stop_after: str) -> tuple[StageS
         raise ConfigError(f"stop_after: {exc}") from None
 
 
-def check_gguf_widths(order: tuple[StageSpec, ...], cfg: Config) -> None:
-    """Prune settings that would leave widths the gguf stage cannot store fail now, not after hours of recovery."""
+def check_before_opening(order: tuple[StageSpec, ...], cfg: Config) -> None:
+    """Settings that would fail a stage hours into the run fail now, before it opens: prune widths the gguf stage
+    cannot store, and a Dask runner without its optional package."""
+    if (stages.TOKENIZE in order and runner_kind(cfg.data) == "dask"
+            and importlib.util.find_spec("prefect_dask") is None):
+        raise ConfigError(f"tokenizing on Dask ({choose_runner(cfg.data)[1]}) needs prefect-dask: "
+                          "pip install 'cpuforge[dask]'")
     if stages.GGUF in order and (misfits := cfg.prune.block_misfits(stages.GGUF_BLOCK)):
         raise ConfigError(f"{', '.join(misfits)}: the pruned model's rows would not split into the {stages.GGUF_BLOCK}-value "
                           f"blocks of the gguf stage's Q8_0 and Q4_0 files; use multiples of {stages.GGUF_BLOCK}, or "

@@ -4,6 +4,7 @@ subprocess (as an unprivileged user, since root may write anywhere)."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import logging
 import os
@@ -17,7 +18,7 @@ import torch
 from tokenizers import Tokenizer, models
 
 from cpuforge.flows.cli import main, terminal_safe
-from cpuforge.flows.session import check_gguf_widths
+from cpuforge.flows.session import check_before_opening
 from cpuforge.models.checkpoint import save_model
 from cpuforge.models.config import LlamaConfig
 from cpuforge.models.llama import Llama
@@ -204,7 +205,17 @@ def test_prune_widths_the_gguf_files_cannot_hold_fail_before_any_stage_runs(caps
     assert line.startswith(f"error: {override}: the pruned model's rows would not split into the 32-value blocks of the "
                            "gguf stage's Q8_0 and Q4_0 files; use multiples of 32, or --stop-after quantize")
     assert not (tmp_path / "w" / "stages").exists()
-    check_gguf_widths(stages.up_to("quantize"), load_config("tiny", overrides=[override]))  # no GGUF files: fine
+    check_before_opening(stages.up_to("quantize"), load_config("tiny", overrides=[override]))  # no GGUF files: fine
+
+
+def test_a_dask_runner_without_its_extra_fails_before_any_stage_runs(capsys, tmp_path, monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "prefect_dask" else real_find_spec(name, *a))
+    line = cli(capsys, "run", "--profile", "tiny", "--workdir", str(tmp_path / "w"), "--set", "data.encode_runner=dask")
+    assert line == ("error: tokenizing on Dask (data.encode_runner=dask) needs prefect-dask: "
+                    "pip install 'cpuforge[dask]'")
+    assert not (tmp_path / "w" / "stages").exists()
 
 
 def test_config_file_that_is_not_yaml_is_one_line(capsys, tmp_path):

@@ -190,6 +190,7 @@ def test_deployments_from_prefect_yaml_are_there_with_their_schedule(stack):
         tiny = client.read_deployment_by_name("cpuforge-pipeline/tiny")
     assert [s.schedule.cron for s in weekly.schedules] == ["0 3 * * 0"] and weekly.schedules[0].active
     assert weekly.parameters == {"profile": "demo", "init_from": "champion"}
+    assert tiny.parameters == {"profile": "tiny", "registered_model": "cpuforge-lm-smoke"}
     assert compress.parameters["pretrained"] == "champion"
     assert tiny.work_pool_name == "cpuforge"
     form = tiny.parameter_openapi_schema["properties"]  # what the UI renders as the run form
@@ -227,8 +228,10 @@ def test_a_triggered_run_completes_with_artifacts_runs_and_a_champion(stack, tex
     assert all(r.info.status == "FINISHED" and r.data.metrics for r in by_stage.values())
     assert by_stage["prune"].data.params["prune.keep_ratio"] == "0.6"  # the form's value reached the stage
     assert by_stage["pretrain"].data.metrics["val_bpb"] < by_stage["pretrain"].data.metrics["unigram_bpb"] * 1.2
-    version = client.get_model_version_by_alias("cpuforge-lm", "champion")
+    # the smoke deployment registers under its own name (prefect.yaml): the real name has no champion to seed from
+    version = client.get_model_version_by_alias("cpuforge-lm-smoke", "champion")
     assert set(version.aliases) == {"candidate", "champion"}
+    assert not client.search_model_versions("name='cpuforge-lm'")
     assert version.tags["cpuforge.pretrain_run_id"] == summary["stages"]["pretrain"]["mlflow_run_id"]
     assert summary["registry"]["version"] == version.version
 

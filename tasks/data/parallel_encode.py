@@ -105,7 +105,7 @@ def task_runner(data: DataConfig, n_pieces: int):
     data.dask_address, else a local cluster started for this split)."""
     workers = data.encode_workers or available_cores()
     if runner_kind(data) == "dask":
-        from prefect_dask import DaskTaskRunner
+        from prefect_dask import DaskTaskRunner  # the [dask] extra; flows/session.check_before_opening asks first
 
         if data.dask_address:
             return DaskTaskRunner(address=data.dask_address)
