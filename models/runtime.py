@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 from cpuforge.models.checkpoint import CONFIG, WEIGHTS, CheckpointError, load_model
 from cpuforge.models.config import LlamaConfig, ModelConfigError
@@ -193,6 +194,7 @@ class LanguageModel:
     kind: str  # "pytorch" | "onnx"
     path: Path
     file_bytes: int
+    chat_template: str | None = None  # the Jinja template of tokenizer_config.json (or chat_template.jinja) beside it
 
     @property
     def cfg(self) -> LlamaConfig:
@@ -211,15 +213,13 @@ class LanguageModel:
         ids = self.encode(prompt)
         check_prompt(len(ids), self.cfg.block_size)
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        out: list[int] = []
-        shown = ""
+        # Incremental decoding, in the prompt's context (a Metaspace tokenizer's leading space depends on it): each
+        # token costs the same however long the text, and a character split across tokens waits for the rest.
+        text = DecodeStream(ids=ids, skip_special_tokens=True)
         for token in generate(self.decoder, ids, max_new_tokens, temperature, top_k, self.eod_id, generator, top_p):
-            out.append(token)
-            text = self.tokenizer.decode(out)
-            if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
-                continue
-            yield text[len(shown):]
-            shown = text
+            piece = text.step(self.tokenizer, token)
+            if piece is not None:
+                yield piece
 
     def complete(self, prompt: str, max_new_tokens: int, temperature: float = 0.8, top_k: int | None = 40,
                  top_p: float | None = None, stop: Sequence[str] = (), seed: int | None = None) -> str:
@@ -331,7 +331,7 @@ def _load_torch(folder: Path) -> LanguageModel:
     eos = json.loads((folder / CONFIG).read_text()).get("eos_token_id")  # the transformers layout names it
     eod = eos if isinstance(eos, int) else _eod_of(tokenizer)
     return LanguageModel(TorchDecoder(model), tokenizer, eod, "pytorch", folder,
-                         (folder / WEIGHTS).stat().st_size)
+                         (folder / WEIGHTS).stat().st_size, read_chat_template(folder))
 
 
 def _load_onnx(path: Path, threads: int | None) -> LanguageModel:
@@ -369,7 +369,22 @@ def _load_onnx(path: Path, threads: int | None) -> LanguageModel:
         raise ModelLoadError(f"onnxruntime cannot load {path}: {exc}") from None
     eod = int(meta[META_EOD]) if META_EOD in meta else _eod_of(tokenizer)
     size = path.stat().st_size + sum((path.parent / name).stat().st_size for name in external)
-    return LanguageModel(decoder, tokenizer, eod, "onnx", path, size)
+    return LanguageModel(decoder, tokenizer, eod, "onnx", path, size, read_chat_template(path.parent))
+
+
+def read_chat_template(folder: Path) -> str | None:
+    """The chat template saved with a tokenizer: transformers writes chat_template.jinja, older versions a
+    "chat_template" entry of tokenizer_config.json (a string, or named templates of which "default" is used)."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    try:
+        template = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return template if isinstance(template, str) and template.strip() else None
 
 
 def _eod_of(tokenizer: Tokenizer) -> int | None:
