@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from cpuforge.flows.commands import build, config, convert, inference, listing, serve
+from cpuforge.flows.commands import build, config, convert, inference, listing, push, serve
 from cpuforge.flows.commands.common import HelpFormatter, examples, wrap
 from cpuforge.flows.commands.inference import terminal_safe  # noqa: F401  (tests and scripts import it from here)
 from cpuforge.tasks import stages
@@ -58,6 +58,7 @@ COMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "runs": listing.add_runs,
     "models": listing.add_models,
     "serve": serve.add_serve,
+    "push": push.add_push,
 }
 
 

@@ -56,9 +56,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(model: Path, port: int, *extra: str) -> subprocess.Popen:
-    server = subprocess.Popen([sys.executable, "-m", "cpuforge.flows.cli", "serve", str(model), "--port", str(port),
-                               *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+def start(model: Path | None, port: int, *extra: str) -> subprocess.Popen:
+    """`cpuforge serve [MODEL] --port PORT ...` with an API key, once it answers /health."""
+    server = subprocess.Popen([sys.executable, "-m", "cpuforge.flows.cli", "serve", *([str(model)] if model else []),
+                               "--port", str(port), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, "CPUFORGE_API_KEY": KEY})
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

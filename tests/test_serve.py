@@ -14,10 +14,12 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from cpuforge.flows.cli import main
+from tests.test_openai_server import client, start, stop
 
 pytestmark = pytest.mark.slow
 
@@ -161,3 +163,80 @@ def test_runs_lists_the_run_from_its_summary_and_from_mlflow(tiny_run, capsys):
     assert code == 0 and "tiny" in out and "promoted" in out and summary["run_id"] in out
     assert main(["runs", "--workdir", str(workdir / "nowhere")]) == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+def test_push_dry_run_lists_the_hub_layout_and_uploads_nothing(tiny_run, capsys, monkeypatch):
+    workdir, _ = tiny_run
+    import huggingface_hub
+
+    def no_network(*a, **k):
+        raise AssertionError("a dry run reached the Hub")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", no_network)
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", no_network)
+    code, out = cli(capsys, "push", "--repo-id", "me/cpuforge-tiny", "--workdir", str(workdir), "--dry-run")
+    assert code == 0, out
+    listed = [line.split()[-1] for line in out.splitlines() if line.split()[1:2] == ["MB"]][:-1]
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "model-q8_0.gguf", "model-q4_0.gguf",
+                 "onnx/model.int8.onnx", "onnx/genai_config.json", "onnx/tokenizer.json", "README.md"):
+        assert name in listed, (name, out)
+    assert "dry run: nothing uploaded to https://huggingface.co/me/cpuforge-tiny" in out
+
+
+def test_push_makes_one_commit_of_every_file_with_a_card_for_the_repo(tiny_run, capsys, monkeypatch):
+    """Everything short of the network: the repository is created (private when asked) and one commit holds the
+    files the dry run lists, the card pointing at the repository and naming what runs each file."""
+    workdir, _ = tiny_run
+    import huggingface_hub
+    from huggingface_hub.errors import LocalTokenNotFoundError
+
+    calls = {}
+
+    def create_repo(self, repo_id, **kw):
+        calls["repo"] = (repo_id, kw)
+
+    def create_commit(self, repo_id, operations, **kw):
+        calls["commit"] = {op.path_in_repo: op for op in operations}
+        return SimpleNamespace(commit_url=f"https://huggingface.co/{repo_id}/commit/abc")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", create_repo)
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_commit", create_commit)
+    code, out = cli(capsys, "push", "models:/cpuforge-lm/1", "--repo-id", "me/cpuforge-tiny", "--private",
+                    "--workdir", str(workdir))
+    assert code == 0 and "pushed to https://huggingface.co/me/cpuforge-tiny" in out
+    assert calls["repo"] == ("me/cpuforge-tiny", {"private": True, "exist_ok": True, "repo_type": "model"})
+    files = calls["commit"]
+    weights = Path(files["model.safetensors"].path_or_fileobj)
+    assert weights.parent.name == "model" and weights.parent.parent.name.startswith("recover-")
+    card = files["README.md"].path_or_fileobj.decode()
+    assert 'from_pretrained("me/cpuforge-tiny")' in card and "tags: [cpuforge, llama, gguf, onnx]" in card
+    assert "`model-q4_0.gguf`" in card and "og.Model('onnx')" in card
+
+    def logged_out(self, repo_id, **kw):
+        raise LocalTokenNotFoundError("no token")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "create_repo", logged_out)
+    capsys.readouterr()
+    assert main(["push", "--repo-id", "me/cpuforge-tiny", "--workdir", str(workdir)]) == 2
+    assert capsys.readouterr().err.strip() == ("error: not logged in to the Hugging Face Hub: run `hf auth login` "
+                                               "or set HF_TOKEN")
+    assert main(["push", "--repo-id", "not a repo", "--workdir", str(workdir)]) == 2
+    assert "expected USER_OR_ORG/NAME" in capsys.readouterr().err
+
+
+def test_serve_gives_the_work_folders_champion_to_openai_clients(tiny_run, capsys):
+    """`cpuforge serve --workdir W` with no MODEL serves W's champion (the quantized ONNX model) under its
+    registered name, with the same greedy text `cpuforge generate` gives."""
+    workdir, _ = tiny_run
+    code, out = cli(capsys, "generate", "--model", "models:/cpuforge-lm@champion", "--tracking-uri",
+                    f"sqlite:///{workdir}/mlflow.db", "--prompt", "def ", "--max-new-tokens", "8", "--temperature", "0")
+    greedy = out[len("def "):-1]
+    port = free_port()
+    server = start(None, port, "--workdir", str(workdir))
+    try:
+        api = client(port)
+        assert [m.id for m in api.models.list().data] == ["cpuforge-lm"]
+        answer = api.completions.create(model="cpuforge-lm", prompt="def ", max_tokens=8, temperature=0)
+        assert answer.choices[0].text == greedy
+    finally:
+        stop(server)

@@ -54,6 +54,24 @@ def existing_workdir(workdir: str | None) -> Path:
     return folder
 
 
+def champion_or(model: str | None, workdir: str | None, tracking_uri: str | None,
+                registered_model: str) -> tuple[str, str | None, Path]:
+    """(the model spec, the MLflow store its models:/ or runs:/ URI needs, the work folder) for commands that
+    act on a finished model: MODEL left out means the work folder's champion, read from its own store unless
+    --tracking-uri or $MLFLOW_TRACKING_URI names one."""
+    import os
+
+    folder = Path(workdir or "cpuforge-runs").expanduser().resolve()
+    model = model or f"models:/{registered_model}@champion"
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if model.startswith(("models:/", "runs:/")) and not uri:
+        if not (folder / "mlflow.db").is_file():
+            raise UserError(f"{model} needs an MLflow store: no {folder / 'mlflow.db'} (give --workdir, the folder "
+                            "`cpuforge run` wrote to, or --tracking-uri, or a MODEL path)")
+        uri = f"sqlite:///{folder / 'mlflow.db'}"
+    return model, uri, folder
+
+
 def print_rows(title: str, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table

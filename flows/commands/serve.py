@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from cpuforge.flows.commands.common import add_command
+from cpuforge.flows.commands.common import add_command, champion_or
 from cpuforge.tasks.records.errors import UserError
 
 API_KEY_ENV = "CPUFORGE_API_KEY"
@@ -68,14 +68,7 @@ def serve(args: argparse.Namespace) -> int:
     from cpuforge.tasks.release.openai_server import serve as run_server
     from cpuforge.tasks.release.register import open_model
 
-    workdir = Path(args.workdir or "cpuforge-runs").expanduser().resolve()
-    model = args.model or f"models:/{args.registered_model}@champion"
-    tracking_uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if model.startswith(("models:/", "runs:/")) and not tracking_uri:
-        if not (workdir / "mlflow.db").is_file():
-            raise UserError(f"{model} needs an MLflow store: no {workdir / 'mlflow.db'} (give --workdir, the folder "
-                            "`cpuforge run` wrote to, or --tracking-uri, or a MODEL path)")
-        tracking_uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    model, tracking_uri, _ = champion_or(args.model, args.workdir, args.tracking_uri, args.registered_model)
     lm = open_model(model, tracking_uri)
     name = args.served_model_name or served_name(model)
     print(f"serving {model} as {name!r} ({lm.kind}, {lm.params:,} parameters, context {lm.cfg.block_size} tokens"

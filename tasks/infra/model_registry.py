@@ -47,6 +47,20 @@ def version_by_alias(name: str, alias: str, uri: str | None = None):
         raise
 
 
+def find_version(name: str, version_or_alias: str, uri: str | None = None):
+    """A version by its number or an alias (models:/NAME/2, models:/NAME@champion), or None where there is none."""
+    if not version_or_alias.isdigit():
+        return version_by_alias(name, version_or_alias, uri)
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return _client(uri).get_model_version(name, version_or_alias)
+    except MlflowException as exc:
+        if exc.error_code in MISSING:
+            return None
+        raise
+
+
 def alias_version(name: str, alias: str) -> str | None:
     version = version_by_alias(name, alias)
     return str(version.version) if version is not None else None
