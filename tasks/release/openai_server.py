@@ -9,12 +9,13 @@ lock, a streamed one holding it until its last token or until its client goes aw
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -264,7 +265,8 @@ def create_app(engine: Engine, api_key: str | None = None):
                 yield f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': finish[0].usage()})}\n\n"
             yield DONE
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(in_one_thread(events()), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -278,6 +280,46 @@ def create_app(engine: Engine, api_key: str | None = None):
         return await run_in_threadpool(lambda: respond(body, engine.render_chat(chat_messages(body)), True, None))
 
     return app
+
+
+_END = object()
+
+
+async def in_one_thread(items: Iterator[str]) -> AsyncIterator[str]:
+    """A generator's items, made in one worker thread and handed to the event loop as they come. Starlette's
+    own way with a plain generator sends every next() to the thread pool: a hop per token that cost a 135M
+    int8 model 12% of its decode speed through the server. When the client goes away, the generator stops at
+    its next item (and frees the model's lock)."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    gone = threading.Event()
+
+    def hand_over(item: object) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the server is stopping
+            gone.set()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if gone.is_set():
+                    break
+                hand_over(item)
+        except Exception as exc:  # noqa: BLE001  (raised again on the loop's side)
+            hand_over(exc)
+        finally:
+            items.close()  # type: ignore[attr-defined]
+            hand_over(_END)
+
+    loop.run_in_executor(None, produce)
+    try:
+        while (item := await queue.get()) is not _END:
+            if isinstance(item, Exception):
+                raise item
+            yield item  # type: ignore[misc]
+    finally:
+        gone.set()
 
 
 def serve(engine: Engine, host: str, port: int, api_key: str | None) -> None:
