@@ -94,6 +94,7 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
     assert child.data.params["tokenizer.vocab_size"] == "512"
     assert {a.path for a in client.list_artifacts(child.info.run_id)} >= {"tokenizer.json", "meta.json"}
     assert child.inputs.dataset_inputs and child.inputs.dataset_inputs[0].dataset.name == "corpus"
+    assert {(t.key, t.value) for t in child.inputs.dataset_inputs[0].tags} == {("mlflow.data.context", "train")}
     assert client.get_experiment(parent.info.experiment_id).name == "cpuforge"
     train_run = client.get_run(pre["mlflow_run_id"])
     for series in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "train/mfu"):

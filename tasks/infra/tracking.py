@@ -230,18 +230,21 @@ def log_cached_stage(stage: str, parent_run_id: str | None, params: dict[str, An
 
 
 def _log_dataset(run_id: str, dataset: dict[str, Any]) -> None:
+    """The stage's data as an MLflow dataset input (the run page's Datasets column): a MetaDataset names the
+    source and digest without copying any data. Logged with MLflow's public log_input, to the stage's run, which
+    stage_run keeps active while the stage's results are logged."""
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.data.sources import HuggingFaceDatasetSource, LocalArtifactDatasetSource
-    from mlflow.entities import DatasetInput, InputTag
 
     mlflow = _mlflow()
+    active = mlflow.active_run()
+    if active is None or active.info.run_id != run_id:
+        raise RuntimeError(f"a stage's dataset is logged while its run {run_id} is active, not {active}")
     if dataset["kind"] == "hub":
         source = HuggingFaceDatasetSource(path=dataset["source"], config_name=dataset.get("hf_subset"), split=dataset.get("hf_split"))
     else:
         source = LocalArtifactDatasetSource(Path(dataset["source"]).as_uri())
-    meta = MetaDataset(source=source, name=dataset["name"], digest=dataset["digest"])
-    ds_input = DatasetInput(dataset=meta._to_mlflow_entity(), tags=[InputTag(key="mlflow.data.context", value="train")])
-    mlflow.MlflowClient().log_inputs(run_id, datasets=[ds_input])
+    mlflow.log_input(MetaDataset(source=source, name=dataset["name"], digest=dataset["digest"]), context="train")
 
 
 def _metric_batch(metrics: dict[str, float], step: int) -> list[Any]:
