@@ -4,6 +4,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -278,3 +279,51 @@ def test_sample_prompts_are_the_corpus_own_opening_words_and_short(tmp_path):
     assert prompts and all(p.strip() for p in prompts)
     assert all(len(tokenizer.encode(p).ids) <= 16 for p in prompts)
     assert all(p.startswith("Chapter ") or set(p) == {"#"} for p in prompts)
+
+
+def test_a_hub_dataset_is_read_at_the_commit_its_revision_names_now(tmp_path, monkeypatch):
+    """Each run asks the hub which commit the revision (default branch, or data.hf_revision) names, reads that
+    commit and records it; a new commit changes the tokenize key (re-tokenize), the same one keeps it (reuse).
+    The hub is simulated: dataset_info answers a commit, and load_dataset reads a repository on disk."""
+    import datasets
+    import huggingface_hub
+    import pandas as pd
+
+    from cpuforge.tasks.data import corpus
+
+    repo = tmp_path / "hub_repo" / "data"
+    repo.mkdir(parents=True)
+    pd.DataFrame({"text": [make_text(i, 6) for i in range(20)]}).to_parquet(repo / "train-00000-of-00001.parquet")
+    head = {"sha": "a" * 40}
+    asked, read = [], []
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info",
+                        lambda self, repo_id, revision=None, **kw: asked.append((repo_id, revision))
+                        or SimpleNamespace(sha=head["sha"]))
+    real_load = datasets.load_dataset
+
+    def load_dataset(path, *args, revision=None, **kw):
+        read.append((path, revision))
+        return real_load(str(repo.parent), *args, **kw)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the tests' offline default; nothing here goes out
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    corpus._resolve_revision.cache_clear()
+    _, output, meta = run_tokenize(tmp_path, "hf:someone/code", "data.min_docs=2")
+    assert meta["source"]["revision"] == "a" * 40 and output.dataset["revision"] == "a" * 40
+    assert read == [("someone/code", "a" * 40)] and asked == [("someone/code", None)]
+    cfg = cfg_for("hf:someone/code")
+    same = stage_extra_key(cfg)
+    corpus._resolve_revision.cache_clear()  # a later run: the hub is asked again
+    assert stage_extra_key(cfg) == same
+    head["sha"] = "b" * 40  # a new commit on the default branch: new data
+    corpus._resolve_revision.cache_clear()
+    assert stage_extra_key(cfg) != same
+    corpus._resolve_revision.cache_clear()
+    pinned = cfg_for("hf:someone/code", "data.hf_revision=v1.0")
+    stage_extra_key(pinned)
+    assert asked[-1] == ("someone/code", "v1.0")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline: a commit pin still names the data, nothing is asked
+    n = len(asked)
+    assert corpus.hub_revision(cfg_for("hf:someone/code", f"data.hf_revision={'c' * 40}").data) == "c" * 40
+    assert len(asked) == n

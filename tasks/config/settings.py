@@ -52,6 +52,9 @@ class DataConfig(Section):
     text_field: NonBlank = Field("text", description="Column holding the text in structured files and hub datasets.")
     hf_subset: NonBlank | None = Field(None, description="Hub dataset configuration (subset) name.")
     hf_split: NonBlank = Field("train", description="Hub dataset split to read.")
+    hf_revision: NonBlank | None = Field(
+        None, description="Hub dataset revision (branch, tag or commit). Every run resolves it (empty: the default "
+        "branch) to a commit, reads that commit and records it: a new commit re-tokenizes, the same one reuses.")
     max_docs: int | None = Field(None, gt=0, description="Read at most this many documents (files or records).")
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="Share of documents held out for validation.")
     split_seed: int = Field(0, description="Seed of the hash-based train/val assignment.")

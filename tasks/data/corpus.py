@@ -8,11 +8,13 @@ from text. Structured files and hub datasets go through `datasets.load_dataset`.
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
 import logging
 import os
+import re
 import stat
 import sys
 import sysconfig
@@ -29,6 +31,7 @@ TEXT_SUFFIXES = (".txt", ".md", ".py")
 STRUCTURED_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 SUPPORTED_SUFFIXES = TEXT_SUFFIXES + tuple(STRUCTURED_BUILDERS)
 HUB_PREFIX = "hf:"
+COMMIT = re.compile(r"[0-9a-f]{40}")  # a hub commit id: a revision that cannot move
 
 # The stdlib's own tests and its generated codec tables (encodings/cp*.py: 256-line character
 # maps) are excluded: large, repetitive, and not what people write.
@@ -49,6 +52,7 @@ class Corpus:
     skipped: list[str] = field(default_factory=list)  # "path: reason"
     replaced_sequences: int = 0  # invalid UTF-8 sequences replaced by U+FFFD
     hub_fingerprint: str | None = None
+    revision: str | None = None  # the hub dataset's commit that was read (None: a local folder, or unresolved)
 
 
 def source_kind(data: DataConfig) -> str:
@@ -151,8 +155,10 @@ def source_fingerprint(data: DataConfig) -> str:
     kind = source_kind(data)
     h.update(kind.encode())
     if kind == "hub":
-        # Without network we cannot ask the hub for a revision; the id, subset, split and cap name it.
-        h.update(json.dumps([data.source, data.hf_subset, data.hf_split, data.max_docs]).encode())
+        # The commit the revision resolves to names the data: a new commit on the hub is new data. Where it cannot
+        # be resolved (a local folder, offline), the id, subset, split, cap and the revision as given name it.
+        h.update(json.dumps([data.source, data.hf_subset, data.hf_split, data.max_docs,
+                             hub_revision(data) or data.hf_revision]).encode())
         return h.hexdigest()
     files, _ = list_source_files(data)
     if kind == "stdlib":
@@ -165,6 +171,31 @@ def source_fingerprint(data: DataConfig) -> str:
             continue
         h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=16)
+def _resolve_revision(dataset_id: str, revision: str | None) -> str | None:
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi().dataset_info(dataset_id, revision=revision).sha
+    except Exception as exc:  # noqa: BLE001  offline, no such dataset or revision: loading says which, clearly
+        log.warning("could not resolve hf:%s%s to a commit (%s: %s); the run records %s", dataset_id,
+                    f"@{revision}" if revision else "", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
+                    f"the revision as given ({revision})" if revision else "no revision")
+        return None
+
+
+def hub_revision(data: DataConfig) -> str | None:
+    """The commit of a hub dataset that data.hf_revision (empty: the default branch) names now; None for a
+    dataset folder on disk, or where the hub cannot be asked. Once per process and dataset: a run's planning and
+    its tokenize stage see the same commit, and each new run (a scheduled one too) asks again."""
+    dataset_id = data.source[len(HUB_PREFIX):]
+    if not dataset_id or Path(dataset_id).expanduser().exists():
+        return None
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        return data.hf_revision if data.hf_revision and COMMIT.fullmatch(data.hf_revision) else None
+    return _resolve_revision(dataset_id, data.hf_revision)
 
 
 def load_corpus(data: DataConfig, cache_dir: Path) -> Corpus:
@@ -333,10 +364,10 @@ def _load_hub(data: DataConfig, cache_dir: Path) -> Corpus:
     if not dataset_id:
         raise DataError(f"data.source: {data.source!r} names no dataset; use '{HUB_PREFIX}<owner>/<name>'")
     streaming = data.max_docs is not None  # read only what the cap needs instead of the whole dataset
+    revision = hub_revision(data)
     try:
-        ds = datasets.load_dataset(
-            dataset_id, name=data.hf_subset, split=data.hf_split, streaming=streaming, cache_dir=str(cache_dir)
-        )
+        ds = datasets.load_dataset(dataset_id, name=data.hf_subset, split=data.hf_split, streaming=streaming,
+                                   cache_dir=str(cache_dir), revision=revision or data.hf_revision)
         if streaming:
             ds = ds.take(data.max_docs)
         docs = _text_column(ds, data, where=f"dataset {dataset_id!r}")
@@ -351,7 +382,7 @@ def _load_hub(data: DataConfig, cache_dir: Path) -> Corpus:
         raise DataError(f"could not load {data.source!r}: {first_line}{hint}") from None
     corpus = Corpus(
         docs=docs, kind="hub", source=dataset_id, fingerprint=source_fingerprint(data),
-        hub_fingerprint=getattr(ds, "_fingerprint", None),
+        hub_fingerprint=getattr(ds, "_fingerprint", None), revision=revision,
     )
     _require_text(corpus, data)
     return corpus

@@ -122,7 +122,8 @@ class StageContext:
 NOT_IN_KEY = {"train": ("init_from", "max_restarts"), "tokenizer": ("path",),
               "model": ("size",),  # the shape it names is in the key, field by field
               # where and in how many pieces the shards are encoded: they are the same bytes either way
-              "data": ("encode_runner", "dask_address", "encode_workers", "piece_bytes")}
+              "data": ("encode_runner", "dask_address", "encode_workers", "piece_bytes",
+                       "hf_revision")}  # the commit it resolves to is in the source fingerprint
 
 
 def key_config(name: str, section: Any) -> dict[str, Any]:

@@ -241,7 +241,8 @@ def _log_dataset(run_id: str, dataset: dict[str, Any]) -> None:
     if active is None or active.info.run_id != run_id:
         raise RuntimeError(f"a stage's dataset is logged while its run {run_id} is active, not {active}")
     if dataset["kind"] == "hub":
-        source = HuggingFaceDatasetSource(path=dataset["source"], config_name=dataset.get("hf_subset"), split=dataset.get("hf_split"))
+        source = HuggingFaceDatasetSource(path=dataset["source"], config_name=dataset.get("hf_subset"),
+                                          split=dataset.get("hf_split"), revision=dataset.get("revision"))
     else:
         source = LocalArtifactDatasetSource(Path(dataset["source"]).as_uri())
     mlflow.log_input(MetaDataset(source=source, name=dataset["name"], digest=dataset["digest"]), context="train")

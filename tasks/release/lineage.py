@@ -26,7 +26,7 @@ from prefect.cache_policies import NO_CACHE
 from cpuforge.models.checkpoint import CheckpointError, read_config
 from cpuforge.models.fileio import sha256_file
 from cpuforge.tasks.config.settings import Config, ModelConfig
-from cpuforge.tasks.data.corpus import source_fingerprint
+from cpuforge.tasks.data.corpus import hub_revision, source_fingerprint
 from cpuforge.tasks.infra import confinement, model_registry, tracking
 from cpuforge.tasks.infra.stage import NOT_IN_KEY, SERVICE_RETRIES
 from cpuforge.tasks.records.errors import ConfigError, ModelError
@@ -39,6 +39,7 @@ MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 # Version tags written at registration (see lineage_tags).
 TAG_PRETRAIN_RUN = "cpuforge.pretrain_run_id"  # run whose artifact "model" holds the fp32 pretrained weights
 TAG_DATA_ID = "cpuforge.data_id"  # the data the version was trained on (source fingerprint + data settings)
+TAG_DATA_REVISION = "cpuforge.data_revision"  # the hub dataset's commit it was trained on ("" = not a hub dataset)
 TAG_INIT_RUN = "cpuforge.init_run_id"  # the run whose weights its pretraining started from ("" = scratch)
 TAG_INIT_SHA = "cpuforge.init_sha256"
 
@@ -127,6 +128,7 @@ def champion_version(cfg: Config):
 def lineage_tags(cfg: Config, pretrained_run_id: str | None, init: PretrainedSource | None) -> dict[str, str]:
     """The version tags that let a later run continue from, or recompress, this model."""
     return {TAG_PRETRAIN_RUN: pretrained_run_id or "", TAG_DATA_ID: data_identity(cfg),
+            TAG_DATA_REVISION: hub_revision(cfg.data) or cfg.data.hf_revision or "",
             TAG_INIT_RUN: (init.run_id or "") if init else "", TAG_INIT_SHA: init.sha256 if init else ""}
 
 

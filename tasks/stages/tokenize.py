@@ -250,6 +250,7 @@ def shards_meta(corpus: Corpus, docs: list[str], stats: dict[str, dict[str, int 
             "documents_after_chunking": len(docs),
             "fingerprint": corpus.fingerprint,
             "hub_fingerprint": corpus.hub_fingerprint,
+            "revision": corpus.revision,
         },
         "skipped": corpus.skipped,
         "replaced_sequences": corpus.replaced_sequences,
@@ -287,8 +288,10 @@ def stage_output(corpus: Corpus, data: DataConfig, meta: dict[str, Any], seconds
             "name": Path(corpus.source).name if corpus.kind != "hub" else corpus.source,
             "hf_subset": data.hf_subset,
             "hf_split": data.hf_split,
+            "revision": corpus.revision,
         },
         info={
+            **({"revision": corpus.revision} if corpus.revision else {}),  # the hub dataset's commit it read
             "skipped": corpus.skipped[:50],
             "dtype": meta["dtype"],
             "eod_id": meta["eod_id"],
