@@ -25,6 +25,8 @@ def run_args(p: argparse.ArgumentParser, summary: bool = True) -> None:
     p.add_argument("--rebuild", metavar="STAGE", default="",
                    help="build this stage and every stage that reads its output again, even where the work folder has them")
     if summary:  # run and compress, not plan
+        p.add_argument("--verbose", action="store_true",
+                       help="keep the progress bars of the libraries the run drives (MLflow, datasets, the Hub)")
         p.add_argument("--stop-after", metavar="STAGE", default="",
                        help="run the stages up to and including STAGE, then stop (the model is registered only when "
                             "evaluate ran); finished stages are kept and reused by the next run")
@@ -81,7 +83,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
     run.check_prune_target()
     from cpuforge.flows.pipeline import pipeline
 
-    return run_flow(pipeline, profile=run.cfg.profile, config_file=args.config or "", overrides=args.overrides,
+    return run_flow(pipeline, args.verbose, profile=run.cfg.profile, config_file=args.config or "", overrides=args.overrides,
                     workdir=workdir, summary_path=args.summary or "", rebuild=args.rebuild, stop_after=args.stop_after)
 
 
@@ -111,7 +113,7 @@ def run_compress(args: argparse.Namespace) -> int:
     run.check_pretrained()
     from cpuforge.flows.compress import compress
 
-    return run_flow(compress, pretrained=args.pretrained, profile=run.cfg.profile, config_file=args.config or "",
+    return run_flow(compress, args.verbose, pretrained=args.pretrained, profile=run.cfg.profile, config_file=args.config or "",
                     overrides=args.overrides, workdir=workdir, summary_path=args.summary or "", rebuild=args.rebuild,
                     stop_after=args.stop_after)
 
@@ -189,8 +191,10 @@ def writable_folder(folder: Path, flag: str) -> None:
 _reaper = None
 
 
-def run_flow(flow_fn, **params: Any) -> int:
+def run_flow(flow_fn, verbose: bool = False, **params: Any) -> int:
     global _reaper
+    if verbose:  # read by tasks/infra/tracking.quiet_library_progress, here and in the processes the run starts
+        os.environ["CPUFORGE_VERBOSE"] = "1"
     if _reaper is None:  # whatever ends this process, what it started (Prefect's API server...) ends too
         from cpuforge.flows import reaper
 

@@ -191,7 +191,7 @@ def hub_revision(data: DataConfig) -> str | None:
     dataset folder on disk, or where the hub cannot be asked. Once per process and dataset: a run's planning and
     its tokenize stage see the same commit, and each new run (a scheduled one too) asks again."""
     dataset_id = data.source[len(HUB_PREFIX):]
-    if not dataset_id or Path(dataset_id).expanduser().exists():
+    if source_kind(data) != "hub" or not dataset_id or Path(dataset_id).expanduser().exists():
         return None
     if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
         return data.hf_revision if data.hf_revision and COMMIT.fullmatch(data.hf_revision) else None

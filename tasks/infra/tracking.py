@@ -69,7 +69,7 @@ def download(uri: str, dst: Path, tracking_uri: str | None = None) -> Path:
     mlflow = _mlflow()
     from mlflow.exceptions import MlflowException
 
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    quiet_library_progress()
     if tracking_uri:  # models:/ URIs resolve through the global registry URI, whatever is passed below
         mlflow.set_tracking_uri(tracking_uri)
         mlflow.set_registry_uri(tracking_uri)
@@ -79,8 +79,24 @@ def download(uri: str, dst: Path, tracking_uri: str | None = None) -> Path:
         raise ModelError(f"cannot fetch {uri} from the MLflow store {tracking_uri}: {exc.message}") from None
 
 
+VERBOSE_ENV = "CPUFORGE_VERBOSE"  # `cpuforge run --verbose`: the libraries' own progress bars stay on
+# Progress bars of the libraries a run drives (MLflow's artifact transfers when it logs and validates a model,
+# datasets' and the Hub's downloads, anything on tqdm): they interleave with the run's own progress lines.
+QUIET_PROGRESS = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+                  "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
+
+
+def quiet_library_progress() -> None:
+    """Turn the libraries' progress bars off for this process and the ones it starts, unless asked for
+    (CPUFORGE_VERBOSE=1) or set otherwise by the user's environment."""
+    if os.environ.get(VERBOSE_ENV) != "1":
+        for name, value in QUIET_PROGRESS.items():
+            os.environ.setdefault(name, value)
+
+
 def setup(cfg: Config, workdir: Path) -> tuple[str, str]:
     """Point MLflow at the configured store and ensure the experiment exists; returns (uri, experiment id)."""
+    quiet_library_progress()
     mlflow = _mlflow()
     uri = tracking_uri(cfg, workdir)
     mlflow.set_tracking_uri(uri)
