@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -106,6 +107,9 @@ def test_completions_whole_and_streamed_are_cpuforges_own_greedy_text(served, ch
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert chunks[-1].usage.total_tokens == whole.usage.total_tokens
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    # top_p 0 keeps only the likeliest token: greedy whatever the temperature
+    assert api.completions.create(model="chat-lm", prompt="def add(", max_tokens=12, temperature=1.5,
+                                  top_p=0).choices[0].text == expected
 
 
 def test_a_seed_repeats_a_sample_and_a_stop_string_ends_the_text_before_it(served):
@@ -147,6 +151,11 @@ def test_requests_the_server_refuses_say_why_in_openais_error_shape(served):
         api.completions.create(model="chat-lm", prompt="x", max_tokens=1, temperature=5)
     with urllib.request.urlopen(f"http://127.0.0.1:{served}/health") as r:  # probes need no key
         assert json.load(r) == {"status": "ok"}
+    request = urllib.request.Request(f"http://127.0.0.1:{served}/v1/embeddings", b"{}",
+                                     {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(request)
+    assert missing.value.code == 404 and json.load(missing.value)["error"]["type"] == "not_found_error"
 
 
 def test_a_model_without_a_chat_template_answers_completions_and_refuses_chat(chat_model, tmp_path):

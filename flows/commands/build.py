@@ -194,7 +194,9 @@ _reaper = None
 def run_flow(flow_fn, verbose: bool = False, **params: Any) -> int:
     global _reaper
     if verbose:  # read by tasks/infra/tracking.quiet_library_progress, here and in the processes the run starts
-        os.environ["CPUFORGE_VERBOSE"] = "1"
+        from cpuforge.tasks.infra.tracking import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"
     if _reaper is None:  # whatever ends this process, what it started (Prefect's API server...) ends too
         from cpuforge.flows import reaper
 

@@ -157,8 +157,9 @@ def source_fingerprint(data: DataConfig) -> str:
     if kind == "hub":
         # The commit the revision resolves to names the data: a new commit on the hub is new data. Where it cannot
         # be resolved (a local folder, offline), the id, subset, split, cap and the revision as given name it.
-        h.update(json.dumps([data.source, data.hf_subset, data.hf_split, data.max_docs,
-                             hub_revision(data) or data.hf_revision]).encode())
+        revision = hub_revision(data) or data.hf_revision
+        named = [data.source, data.hf_subset, data.hf_split, data.max_docs]
+        h.update(json.dumps([*named, revision] if revision else named).encode())  # unresolved: the key it always had
         return h.hexdigest()
     files, _ = list_source_files(data)
     if kind == "stdlib":
@@ -186,6 +187,10 @@ def _resolve_revision(dataset_id: str, revision: str | None) -> str | None:
         return None
 
 
+def _env_on(name: str) -> bool:  # as huggingface_hub reads its switches
+    return os.environ.get(name, "").upper() in {"1", "ON", "YES", "TRUE"}
+
+
 def hub_revision(data: DataConfig) -> str | None:
     """The commit of a hub dataset that data.hf_revision (empty: the default branch) names now; None for a
     dataset folder on disk, or where the hub cannot be asked. Once per process and dataset: a run's planning and
@@ -193,7 +198,7 @@ def hub_revision(data: DataConfig) -> str | None:
     dataset_id = data.source[len(HUB_PREFIX):]
     if source_kind(data) != "hub" or not dataset_id or Path(dataset_id).expanduser().exists():
         return None
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+    if _env_on("HF_HUB_OFFLINE") or _env_on("HF_DATASETS_OFFLINE"):
         return data.hf_revision if data.hf_revision and COMMIT.fullmatch(data.hf_revision) else None
     return _resolve_revision(dataset_id, data.hf_revision)
 
@@ -374,7 +379,7 @@ def _load_hub(data: DataConfig, cache_dir: Path) -> Corpus:
     except DataError:
         raise
     except Exception as exc:
-        offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+        offline = _env_on("HF_DATASETS_OFFLINE") or _env_on("HF_HUB_OFFLINE")
         hint = " (offline mode is on: only datasets already in the cache can load)" if offline else (
             " (a hub dataset needs network access; check the id, data.hf_subset and data.hf_split)"
         )

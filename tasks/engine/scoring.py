@@ -37,22 +37,11 @@ class Score:
         return asdict(self)
 
 
-def _log_softmax_nll(logits: np.ndarray, targets: np.ndarray) -> float:
-    """Summed negative log-likelihood of targets (B, T) under logits (B, T, V). Cross-entropy in float32 (max-
-    shifted, so no precision is lost that a float64 pass would keep: 2e-10 apart on a 49,152-wide head) and
-    summed in float64; in NumPy float64 the same took ~27x longer (9.6 s per 4,096 tokens at that width, most
-    of evaluating a 100M model)."""
-    flat = torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32)).reshape(-1, logits.shape[-1])
-    nll = torch.nn.functional.cross_entropy(flat, torch.from_numpy(np.asarray(targets, dtype=np.int64)).reshape(-1),
-                                            reduction="none")
-    return float(nll.double().sum())
-
-
 def score_tokens(lm: LanguageModel, tokens: np.ndarray, byte_lengths: np.ndarray, batch_size: int = 8,
                  progress: Callable[[int, int], None] | None = None) -> Score:
     """Bits per byte and perplexity of `tokens` (1-D): every token after the first is predicted,
     in consecutive windows of the model's context (the last one may be shorter)."""
-    return score_with_choices(lm, tokens, byte_lengths, batch_size, progress).score
+    return score_with_choices(lm, tokens, byte_lengths, batch_size, progress, keep_choices=False).score
 
 
 # How many of each position's most likely tokens a reference keeps: the KL below is exact over them and lumps the
@@ -78,13 +67,13 @@ class Choices(NamedTuple):
 
 class Scored(NamedTuple):
     score: Score
-    choices: Choices
+    choices: Choices | None  # None when not kept (score_tokens)
     kl: float | None  # mean KL(reference || model) in nats per token; None without a reference
 
 
 def score_with_choices(lm: LanguageModel, tokens: np.ndarray, byte_lengths: np.ndarray, batch_size: int = 8,
                        progress: Callable[[int, int], None] | None = None,
-                       reference: Choices | None = None) -> Scored:
+                       reference: Choices | None = None, keep_choices: bool = True) -> Scored:
     """score_tokens, with the model's most likely tokens at every scored position from the same forward passes
     and, given a ``reference`` model's Choices on the same tokens, the mean KL divergence from it (quantize's
     candidates against fp32). ``progress(tokens scored, tokens to score)`` is called after every batch."""
@@ -104,12 +93,17 @@ def score_with_choices(lm: LanguageModel, tokens: np.ndarray, byte_lengths: np.n
         for i in range(0, len(x_all), batch_size):
             x, y = x_all[i:i + batch_size], y_all[i:i + batch_size]
             logits = lm.decoder.logits(x)
-            nll += _log_softmax_nll(logits, y)
+            # One log-softmax pass serves the loss, the choices and the KL. In float32 (max-shifted: nothing a
+            # float64 pass would keep, 2e-10 apart on a 49,152-wide head), summed in float64; NumPy float64 took
+            # ~27x longer (9.6 s per 4,096 tokens at that width, most of evaluating a 100M model).
             logp = torch.log_softmax(torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32)), -1)
             logp = logp.reshape(-1, logp.shape[-1])
-            top = logp.topk(min(REFERENCE_TOP, logp.shape[-1]), -1)
-            ids.append(top.indices.numpy())
-            logps.append(top.values.numpy())
+            targets = torch.from_numpy(np.asarray(y, dtype=np.int64)).reshape(-1, 1)
+            nll -= float(logp.gather(-1, targets).double().sum())
+            if keep_choices:
+                top = logp.topk(min(REFERENCE_TOP, logp.shape[-1]), -1)
+                ids.append(top.indices.numpy())
+                logps.append(top.values.numpy())
             if reference is not None:
                 at = slice(n_tokens, n_tokens + y.size)
                 kl += _kl_over_top(torch.from_numpy(reference.logp[at]),
@@ -120,8 +114,8 @@ def score_with_choices(lm: LanguageModel, tokens: np.ndarray, byte_lengths: np.n
                 progress(n_tokens, len(tokens) - 1)
     loss = nll / n_tokens
     score = Score(round(bits_per_byte(nll, n_bytes), 5), round(math.exp(loss), 4), round(loss, 5), n_tokens, n_bytes)
-    return Scored(score, Choices(np.concatenate(ids), np.concatenate(logps)),
-                  None if reference is None else kl / n_tokens)
+    choices = Choices(np.concatenate(ids), np.concatenate(logps)) if keep_choices else None
+    return Scored(score, choices, None if reference is None else kl / n_tokens)
 
 
 def _kl_over_top(ref_logp: torch.Tensor, logq: torch.Tensor) -> float:

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -89,9 +90,14 @@ QUIET_PROGRESS = {"MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "false", "HF_DATASETS_
 def quiet_library_progress() -> None:
     """Turn the libraries' progress bars off for this process and the ones it starts, unless asked for
     (CPUFORGE_VERBOSE=1) or set otherwise by the user's environment."""
-    if os.environ.get(VERBOSE_ENV) != "1":
-        for name, value in QUIET_PROGRESS.items():
-            os.environ.setdefault(name, value)
+    if os.environ.get(VERBOSE_ENV) == "1":
+        return
+    for name, value in QUIET_PROGRESS.items():  # read when each library is imported (tqdm, datasets, the Hub)
+        os.environ.setdefault(name, value)
+    if "huggingface_hub" in sys.modules:  # already imported: tell it directly
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()
 
 
 def setup(cfg: Config, workdir: Path) -> tuple[str, str]:

@@ -95,7 +95,7 @@ def plan(stages: ModelStages, repo_id: str) -> list[Upload]:
     onnx_dir = Path(stages.quantize.output_dir)
     graph = stages.quantize.path("onnx")
     onnx = [*onnx_files.files_of(graph), stages.quantize.files["genai_config"], "tokenizer.json",
-            "tokenizer_config.json"]
+            "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]  # those the folder has
     uploads += [Upload(f"{ONNX_FOLDER}/{name}", onnx_dir / name) for name in onnx if (onnx_dir / name).is_file()]
     card = (model_dir / "README.md").read_text(encoding="utf-8") if (model_dir / "README.md").is_file() else ""
     return [*uploads, Upload("README.md", text=hub_card(card, repo_id, uploads, stages))]
@@ -124,6 +124,7 @@ def hub_card(card: str, repo_id: str, uploads: list[Upload], stages: ModelStages
 
 def push(repo_id: str, uploads: list[Upload], private: bool, message: str) -> str:
     """Create the repository if needed and upload every file in one commit; the commit's URL."""
+    import httpx
     from huggingface_hub import CommitOperationAdd, HfApi
     from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError
 
@@ -138,3 +139,6 @@ def push(repo_id: str, uploads: list[Upload], private: bool, message: str) -> st
     except HfHubHTTPError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"the Hub refused the push to {repo_id}: {first}") from None
+    except (httpx.HTTPError, OSError) as exc:  # no route to the Hub: DNS, a refused connection, a timeout
+        raise UserError(f"cannot reach the Hugging Face Hub to push {repo_id} ({type(exc).__name__}: {exc}); "
+                        "check the network, or HF_ENDPOINT") from None

@@ -10,24 +10,29 @@ lock, a streamed one holding it until its last token or until its client goes aw
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
+import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import torch
-from fastapi import FastAPI, Request  # at module level: FastAPI reads the routes' annotations from its globals
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Depends, FastAPI, Header, Request  # module level: FastAPI reads annotations here
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers.decoders import DecodeStream
 
 from cpuforge.models.runtime import LanguageModel, check_prompt, generate
 
 DONE = "data: [DONE]\n\n"
+log = logging.getLogger("cpuforge.serve")
 
 
 class RequestError(ValueError):
@@ -102,16 +107,23 @@ class Engine:
             raise RequestError(str(exc), param="prompt") from None
         return ids
 
-    def run(self, ids: list[int], sampling: Sampling, finish: list[Finish]) -> Iterator[str]:
-        """Text pieces of the continuation of ``ids``; appends the Finish to ``finish`` when done."""
+    def run(self, ids: list[int], sampling: Sampling, finish: list[Finish],
+            gone: Callable[[], bool] = lambda: False) -> Iterator[str]:
+        """Text pieces of the continuation of ``ids``; appends the Finish to ``finish`` when done. Stops early,
+        finishing nothing, once ``gone()`` says the client left (checked before the model is taken, and per token)."""
         lm, left = self.lm, self.lm.cfg.block_size - len(ids)
         budget = left if sampling.max_tokens is None else min(sampling.max_tokens, left)
         generator = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+        temperature = 0.0 if sampling.top_p == 0 else sampling.temperature  # top_p 0 keeps only the likeliest
         text, stops, count, reason = DecodeStream(ids=ids, skip_special_tokens=True), StopScan(sampling.stop), 0, "stop"
         with self.lock:
-            tokens = generate(lm.decoder, ids, budget, sampling.temperature, None, lm.eod_id, generator,
-                              sampling.top_p if sampling.top_p < 1 else None)
+            if gone():
+                return
+            tokens = generate(lm.decoder, ids, budget, temperature, None, lm.eod_id, generator,
+                              sampling.top_p if 0 < sampling.top_p < 1 else None)
             for token in tokens:
+                if gone():
+                    return
                 count += 1
                 piece = text.step(lm.tokenizer, token)
                 if piece is not None and (shown := stops.feed(piece)):
@@ -150,17 +162,20 @@ def sampling_of(body: dict[str, Any], default_max: int | None) -> Sampling:
             raise RequestError(f"{name} must be a number from {low:g} to {high:g}, not {value!r}", param=name)
         return float(value)
 
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise RequestError("n must be 1: this server makes one choice per prompt", param="n")
     if body.get("logprobs") not in (None, False) or body.get("echo"):
         raise RequestError("logprobs and echo are not supported", param="logprobs")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max))
+    max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None),
+                      default_max)
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
         raise RequestError(f"max_tokens must be a positive integer, not {max_tokens!r}", param="max_tokens")
     stop = body.get("stop") or []
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
         raise RequestError("stop must be a string or a list of up to 4 strings", param="stop")
+    if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
+        raise RequestError("stream_options must be an object such as {\"include_usage\": true}", param="stream_options")
     seed = body.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise RequestError(f"seed must be an integer, not {seed!r}", param="seed")
@@ -193,23 +208,32 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def create_app(engine: Engine, api_key: str | None = None):
-    """The FastAPI application; with ``api_key`` every route but /health wants ``Authorization: Bearer KEY``."""
+def create_app(engine: Engine, api_key: str | None = None) -> FastAPI:
+    """The FastAPI application; with ``api_key`` every /v1 route wants ``Authorization: Bearer KEY`` (/health
+    stays open for probes)."""
     app = FastAPI(title=f"cpuforge: {engine.model_id}", docs_url=None, redoc_url=None)
 
     @app.exception_handler(RequestError)
     def refused(_: Request, exc: RequestError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        if api_key and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                error = RequestError("a valid API key is needed: send Authorization: Bearer KEY", 401,
-                                     kind="authentication_error")
-                return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:  # an unknown route, a wrong method
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(RequestError(str(exc.detail), exc.status_code, kind=kind).body(),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    def failed(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(server_error(exc).body(), status_code=500)
+
+    def authorized(authorization: str | None = Header(None)) -> None:
+        expected = f"Bearer {api_key}".encode()
+        if api_key and not hmac.compare_digest((authorization or "").encode(), expected):
+            raise RequestError("a valid API key is needed: send Authorization: Bearer KEY", 401,
+                               kind="authentication_error")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorized)])
 
     async def json_body(request: Request) -> dict[str, Any]:
         try:
@@ -224,21 +248,27 @@ def create_app(engine: Engine, api_key: str | None = None):
         return body
 
     @app.get("/health")
-    def health() -> dict[str, str]:
+    async def health() -> dict[str, str]:  # on the event loop: answers while every worker thread waits its turn
         return {"status": "ok"}
 
-    @app.get("/v1/models")
-    def models() -> dict[str, Any]:
+    @v1.get("/models")
+    async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": engine.model_id, "object": "model", "created": engine.created,
                                             "owned_by": "cpuforge"}]}
 
-    def respond(body: dict[str, Any], prompt: str, chat: bool, default_max: int | None):
+    async def respond(request: Request, body: dict[str, Any], prompt: str, chat: bool, default_max: int | None):
         sampling, ids = sampling_of(body, default_max), engine.prompt_ids(prompt)
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": engine.model_id}
         finish: list[Finish] = []
         if not body.get("stream"):
-            text = "".join(engine.run(ids, sampling, finish))
+            pieces: list[str] = []
+            async with contextlib.aclosing(in_one_thread(partial(engine.run, ids, sampling, finish))) as made:
+                async for piece in made:
+                    pieces.append(piece)
+                    if len(pieces) % 16 == 0 and await request.is_disconnected():
+                        return Response(status_code=499)  # nobody to answer: stop decoding for them
+            text = "".join(pieces)
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
                       else {"index": 0, "text": text, "logprobs": None})
             return {**head, "object": "chat.completion" if chat else "text_completion",
@@ -255,41 +285,55 @@ def create_app(engine: Engine, api_key: str | None = None):
             extra = {"usage": None} if with_usage else {}
             return f"data: {json.dumps({**head, 'object': kind, 'choices': [choice], **extra})}\n\n"
 
-        def events() -> Iterator[str]:
+        def events(gone: Callable[[], bool]) -> Iterator[str]:
             if chat:
                 yield chunk("", first=True)
-            for piece in engine.run(ids, sampling, finish):
+            for piece in engine.run(ids, sampling, finish, gone):
                 yield chunk(piece)
-            yield chunk(None, finish[0].reason)
-            if with_usage:
-                yield f"data: {json.dumps({**head, 'object': kind, 'choices': [], 'usage': finish[0].usage()})}\n\n"
-            yield DONE
+            if finish:
+                yield chunk(None, finish[0].reason)
+                if with_usage:
+                    usage = {**head, "object": kind, "choices": [], "usage": finish[0].usage()}
+                    yield f"data: {json.dumps(usage)}\n\n"
+                yield DONE
 
-        return StreamingResponse(in_one_thread(events()), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        async def stream() -> AsyncIterator[str]:
+            try:
+                async for event in in_one_thread(events):
+                    yield event
+            except Exception as exc:  # noqa: BLE001  the headers are out: the error goes in the stream, as an event
+                yield f"data: {json.dumps(server_error(exc).body())}\n\n"
 
-    @app.post("/v1/completions")
+        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @v1.post("/completions")
     async def completions(request: Request):
         body = await json_body(request)
-        # off the event loop (a whole answer takes seconds): /health and queued requests still answer meanwhile
-        return await run_in_threadpool(respond, body, completion_prompt(body), False, 16)  # 16: the API's default
+        return await respond(request, body, completion_prompt(body), False, 16)  # 16: the API's default length
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         body = await json_body(request)
-        return await run_in_threadpool(lambda: respond(body, engine.render_chat(chat_messages(body)), True, None))
+        prompt = await run_in_threadpool(engine.render_chat, chat_messages(body))  # transformers, the first time
+        return await respond(request, body, prompt, True, None)
 
+    app.include_router(v1)
     return app
+
+
+def server_error(exc: Exception) -> RequestError:
+    log.error("request failed: %s: %s", type(exc).__name__, exc)
+    return RequestError(f"the server failed: {type(exc).__name__}: {exc}", 500, kind="server_error")
 
 
 _END = object()
 
 
-async def in_one_thread(items: Iterator[str]) -> AsyncIterator[str]:
-    """A generator's items, made in one worker thread and handed to the event loop as they come. Starlette's
-    own way with a plain generator sends every next() to the thread pool: a hop per token that cost a 135M
-    int8 model 12% of its decode speed through the server. When the client goes away, the generator stops at
-    its next item (and frees the model's lock)."""
+async def in_one_thread(make: Callable[[Callable[[], bool]], Iterator[str]]) -> AsyncIterator[str]:
+    """The items of the generator ``make(gone)``, made in one worker thread and handed to the event loop as they
+    come. Starlette's own way with a plain generator sends every next() to the thread pool: a hop per token that
+    cost a 135M int8 model 12% of its decode speed through the server. When the consumer stops (the client went
+    away), ``gone()`` turns true and the generator stops at its next token, freeing the model's lock."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     gone = threading.Event()
@@ -301,6 +345,7 @@ async def in_one_thread(items: Iterator[str]) -> AsyncIterator[str]:
             gone.set()
 
     def produce() -> None:
+        items = make(gone.is_set)
         try:
             for item in items:
                 if gone.is_set():
