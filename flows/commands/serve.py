@@ -24,7 +24,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                     ("cpuforge serve                      # the work folder's champion on http://127.0.0.1:8000/v1",
                      "cpuforge serve models:/cpuforge-lm@champion --port 8080",
                      "cpuforge serve cpuforge-runs/stages/quantize-KEY --served-model-name my-lm",
-                     f"{API_KEY_ENV}=secret cpuforge serve --host 0.0.0.0"))
+                     "cpuforge serve --host 0.0.0.0 --port 8000   # with $CPUFORGE_API_KEY set: clients send it"))
     p.add_argument("model", nargs="?", metavar="MODEL",
                    help="a model folder, an .onnx file or ONNX Runtime GenAI folder, a stage output, or an MLflow "
                         "URI (models:/NAME@ALIAS, runs:/RUN/model); default: the work folder's champion")
