@@ -14,6 +14,7 @@ import getpass
 import json
 import os
 import socket
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -35,30 +36,28 @@ def _client(uri: str | None = None):
     return _mlflow().MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
-def version_by_alias(name: str, alias: str, uri: str | None = None):
-    """The model version (with its tags) the alias points at, or None where the model or alias does not exist."""
+def _unless_missing(fetch: Callable[[], Any]) -> Any:
+    """What ``fetch`` returns, or None where the model, version or alias it asks for does not exist."""
     from mlflow.exceptions import MlflowException
 
     try:
-        return _client(uri).get_model_version_by_alias(name, alias)
+        return fetch()
     except MlflowException as exc:
         if exc.error_code in MISSING:
             return None
         raise
+
+
+def version_by_alias(name: str, alias: str, uri: str | None = None):
+    """The model version (with its tags) the alias points at, or None where the model or alias does not exist."""
+    return _unless_missing(lambda: _client(uri).get_model_version_by_alias(name, alias))
 
 
 def find_version(name: str, version_or_alias: str, uri: str | None = None):
     """A version by its number or an alias (models:/NAME/2, models:/NAME@champion), or None where there is none."""
     if not version_or_alias.isdigit():
         return version_by_alias(name, version_or_alias, uri)
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return _client(uri).get_model_version(name, version_or_alias)
-    except MlflowException as exc:
-        if exc.error_code in MISSING:
-            return None
-        raise
+    return _unless_missing(lambda: _client(uri).get_model_version(name, version_or_alias))
 
 
 def alias_version(name: str, alias: str) -> str | None:
