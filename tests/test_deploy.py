@@ -34,7 +34,7 @@ from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.records.errors import DataError
 from cpuforge.tasks.release.register import decide
 from cpuforge.tasks.stages.evaluate import _measure_in_fresh_process
-from cpuforge.tasks.stages.quantize import choose, confident_agreement
+from cpuforge.tasks.stages.quantize import GENAI, choose, confident_agreement, kquant_misfit
 from tests.conftest import build_stage
 from tests.test_pretrain import shards, spec_for  # noqa: F401  (module fixture)
 
@@ -272,6 +272,17 @@ def test_k_quant_candidates_are_4_bit_with_their_head_as_named_and_scored_agains
     assert metrics["fp32/kl_to_fp32"] == 0.0 and "kl_to_fp32" in metrics
     # 8-bit weights move the distribution less than 4-bit ones
     assert metrics["genai-int8/kl_to_fp32"] < metrics["genai-int4/kl_to_fp32"]
+
+
+@pytest.mark.parametrize("hidden, mlp, odd", [(96, 128, "96"), (576, 736, "736"), (576, 1536, None)])
+def test_k_quant_is_not_a_candidate_where_a_width_is_an_odd_number_of_blocks(tmp_path, hidden, mlp, odd):
+    """onnxruntime's k-quant fails on an odd number of 32-blocks (a pruned demo's 96, SmolLM2 pruned to 736):
+    known from the shape, before building; round-to-nearest int4 is unaffected."""
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": hidden, "intermediate_size": mlp,
+                                                      "num_attention_heads": hidden // 32, "head_dim": 32}))
+    why = kquant_misfit(GENAI["genai-int4-kquant"], tmp_path)
+    assert (why is None) if odd is None else (f"this model has {odd}" in why)
+    assert kquant_misfit(GENAI["genai-int4"], tmp_path) is None
 
 
 def test_model_builder_int8_candidate_reads_its_embedding_from_the_int8_head(quantized, tmp_path):
