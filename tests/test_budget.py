@@ -30,10 +30,14 @@ def test_compress_spends_what_the_other_stages_leave_on_recovery():
     assert planned.recover.max_minutes == pytest.approx(60 - other, abs=0.1)
     assert plan.pretrain_minutes is None and planned.train == cfg.train  # nothing pretrains in compress
     assert "recover" in plan.describe() and "134" in plan.describe()
-    # the timing rounds of quantize and evaluate get 5% of the hour each, unless set by hand
-    assert planned.eval.speed_seconds == planned.quantize.speed_seconds == 180 and "180 s" in plan.describe()
-    pinned, _ = plan_budget(load_config("hour", overrides=[*SMOL_135M, "eval.speed_seconds=30"]), compress=True)
+    # the timing rounds of quantize and evaluate get 5% of the hour each, and quantize's candidates as long to
+    # build (the stage near 10% of the budget), unless set by hand
+    assert planned.eval.speed_seconds == planned.quantize.speed_seconds == planned.quantize.build_seconds == 180
+    assert "180 s" in plan.describe()
+    pinned, _ = plan_budget(load_config("hour", overrides=[*SMOL_135M, "eval.speed_seconds=30",
+                                                           "quantize.build_seconds=600"]), compress=True)
     assert pinned.eval.speed_seconds == 30 and pinned.quantize.speed_seconds == 180
+    assert pinned.quantize.build_seconds == 600
 
     # a bigger model: the other stages take longer, recovery has less of the same three hours
     small, _ = plan_budget(load_config("hour", overrides=[*SMOL_135M, "budget.minutes=180"]), compress=True)
@@ -66,6 +70,7 @@ def test_without_a_budget_the_stages_keep_their_minutes():
     pinned, plan = plan_budget(load_config("hour", overrides=[*SMOL_135M, "budget.minutes=null",
                                                               "recover.max_minutes=7"]), compress=True)
     assert plan is None and pinned.recover.max_minutes == 7 and pinned.eval.speed_seconds is None
+    assert pinned.quantize.build_seconds is None  # every candidate is built
 
 
 def test_a_budget_too_small_for_the_model_is_one_clear_error():

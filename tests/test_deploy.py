@@ -357,6 +357,21 @@ def test_quantize_reruns_over_an_interrupted_attempt(exported, tokenized, traine
     assert result.metrics["rule_rounds"] >= 3 and "dynamic-qint8/decode_tok_s" in result.metrics
 
 
+def test_a_build_budget_builds_the_likeliest_winner_and_lists_the_rest(exported, tokenized, trained, tmp_path):
+    from cpuforge.tasks.stages.quantize import BUILD_ORDER, candidate_methods
+
+    cfg = load_config("tiny", overrides=["quantize.method=best", "quantize.build_seconds=0.01"])
+    result = build_stage("quantize", cfg, tmp_path, tokenize=tokenized, recover=trained, export=exported[0])
+    first = BUILD_ORDER[0]  # always built: there must be a model to keep
+    assert result.info["kept"] == first and (tmp_path / "candidates" / f"{first}.onnx").exists()
+    left = result.info["skipped_candidates"]
+    assert set(left) == set(candidate_methods(cfg.quantize)) - {first}
+    assert all("quantize.build_seconds=0.01 s would be passed" in why for why in left.values())
+    assert result.metrics["candidates_built"] == 1 and result.metrics["candidates_skipped"] == len(left)
+    report = (tmp_path / "quantize_report.md").read_text()
+    assert "left out: **static-qdq**: not built: quantize.build_seconds" in report
+
+
 def test_a_model_the_builder_refuses_keeps_the_other_candidates(exported, tokenized, trained, tmp_path, monkeypatch):
     """GenAI's model builder refused a pruned model that transformers could not load, and the whole run failed."""
     import cpuforge.tasks.stages.quantize as quantize

@@ -1,8 +1,9 @@
 """budget.minutes: one wall-clock target for the whole job, planned into the training stages' minutes for the
-model at hand, and caps evaluate's and quantize's speed timing rounds at PROBE_SHARE of it each. The stages
-that train nothing (adopt, prune, export, quantize, gguf, evaluate, register) cost about
-in proportion to the parameters they handle, the model before pruning and after; what is left trains. In `run`,
-budget.pretrain_share of it pretrains and the rest recovers; `compress` has no pretraining, so all of it recovers.
+model at hand, and caps evaluate's and quantize's speed timing rounds at PROBE_SHARE of it each (and quantize's
+candidate building at as much again). The stages that train nothing (adopt, prune, export, quantize, gguf,
+evaluate, register) cost about in proportion to the parameters they handle, the model before pruning and after;
+what is left trains. In `run`, budget.pretrain_share of it pretrains and the rest recovers; `compress` has no
+pretraining, so all of it recovers.
 
 The plan is made from the settings and the shape alone, never from a timing: the stage keys hold the minutes it
 gives, so the same settings key the same stages on every run (a rerun after a crash reuses what finished).
@@ -88,8 +89,10 @@ def plan_budget(cfg: Config, compress: bool) -> tuple[Config, BudgetPlan | None]
     update: dict[str, Any] = {"recover": cfg.recover.model_copy(update={"max_minutes": recover})}
     if cfg.eval.speed_seconds is None:
         update["eval"] = cfg.eval.model_copy(update={"speed_seconds": probe_s})
-    if cfg.quantize.speed_seconds is None:
-        update["quantize"] = cfg.quantize.model_copy(update={"speed_seconds": probe_s})
+    # Quantize's candidates get as much again to be built and scored: the stage stays near 10% of the budget.
+    quantize_caps = {k: probe_s for k in ("speed_seconds", "build_seconds") if getattr(cfg.quantize, k) is None}
+    if quantize_caps:
+        update["quantize"] = cfg.quantize.model_copy(update=quantize_caps)
     if pretrain is not None:
         update["train"] = cfg.train.model_copy(update={"max_minutes": pretrain})
     return cfg.model_copy(update=update), plan

@@ -351,6 +351,11 @@ class QuantizeConfig(Section):
         None, gt=0, description="Wall-clock cap on the candidates' timing rounds (warm-up included): after the "
         "minimum rounds, no round starts that would end past it, and a decision the noise has not settled by then "
         "says so. null: rounds go on until settled (at most 12). budget.minutes sets it to 5% of the budget.")
+    build_seconds: float | None = Field(
+        None, gt=0, description="Wall-clock cap on building and scoring the candidates, most likely winners first "
+        "(the builder's int8 in blocks of 64, its int4 variants, then the rest): the first is always built, and no "
+        "other starts that would end past the cap at the pace of the slowest built so far; those left are listed "
+        "as not built. null: every candidate. budget.minutes sets it to 5% of the budget.")
     favour: Literal["balanced", "decode", "prefill"] = Field(
         "balanced", description="What the fastest candidate is fastest at: 'balanced' ranks by the geometric mean of "
         "its prefill and decode speed-ups over fp32; 'decode' (a model that mostly generates) or 'prefill' (one that "

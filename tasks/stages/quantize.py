@@ -11,6 +11,8 @@ Candidates (``quantize.method``, ``quantize.weight_type``):
   and kept fp32: whether the LM head pays for quantizing is measured like the rest; and int8 in blocks
   of 64 (fewer scales per row: whether that runs faster on this CPU and shape is measured too).
 - static: QDQ with activation ranges calibrated on train-split batches.
+They are built most likely winners first (BUILD_ORDER); ``quantize.build_seconds`` (which budget.minutes sets)
+leaves out the rest once building them would pass it, and the report lists them as not built.
 Each is scored on the same validation tokens (bits per byte, and how often its greedy next-token
 choice agrees with the fp32 model's where fp32 is confident: its top choice has probability >= CONFIDENT_P)
 and timed with the fp32 model itself, in alternation (tasks/scoring.alternating_speeds): prefill
@@ -107,6 +109,12 @@ GENAI = {"genai-int8": BuilderCandidate("int8", True, 32), "genai-int8-b64": Bui
          "genai-int4": BuilderCandidate("int4", True, 32), "genai-int4-fp32head": BuilderCandidate("int4", False, 32),
          "genai-int4-kquant": BuilderCandidate("int4", True, 32, "k_quant"),
          "genai-int4-kquant-head8": BuilderCandidate("int4", True, 32, "k_quant_last")}
+# The order candidates are built in, so that quantize.build_seconds leaves out the least likely winners: weight-only
+# int8 in blocks of 64 kept quality where dynamic int8 lost it (a 67M model pruned from a 135M one: 93-96% greedy
+# agreement against 40-59%); k-quant int4 with an int8 head is the best of the smallest files; dynamic int8 costs
+# seconds to build and often wins at small sizes; static QDQ needs calibration and decoded slowest.
+BUILD_ORDER = ("genai-int8-b64", "genai-int4-kquant-head8", "dynamic-qint8", "dynamic-quint8", "genai-int4",
+               "genai-int4-kquant", "genai-int8", "genai-int8-fp32head", "genai-int4-fp32head", "static-qdq")
 META_QUANTIZATION = "cpuforge.quantization"
 MIN_ROUNDS, MAX_ROUNDS = 3, 12
 # The gate's agreement counts the positions where fp32's top choice has at least this probability. Where it has
@@ -299,7 +307,8 @@ def quantize_model(q: QuantizeConfig, tokenized: StageRecord, exported: StageRec
     layout = copy_layout(Path(exported.output_dir), out_dir, "model.int8.onnx")
     if kept in GENAI:  # the builder's graph: its inputs and its shared KV buffer, in the folder's genai_config
         use_decoder_of(out_dir, out_dir / "candidates" / f"{kept}.genai_config.json")
-    metrics = quantize_metrics(results, decision, rounds, started)
+    metrics = {**quantize_metrics(results, decision, rounds, started), "candidates_built": len(built),
+               "candidates_skipped": len(skipped)}
     summary = write_reports(out_dir, decision, rounds, results, skipped, metrics)
     return StageOutput(metrics=metrics, files={"onnx": "model.int8.onnx", "genai_config": GENAI_CONFIG,
                                                "candidates": "candidates", "report": "quantize_report.md"},
@@ -339,6 +348,15 @@ def kquant_misfit(candidate: BuilderCandidate, hf_folder: Path) -> str | None:
             f"number of {candidate.block_size}-value blocks; this model has {', '.join(map(str, odd))}")
 
 
+def build_budget_spent(q: QuantizeConfig, elapsed: float, slowest: float, any_built: bool) -> str | None:
+    """Why the next candidate is not built (quantize.build_seconds would be passed at the pace of the slowest
+    candidate so far), or None. The first candidate that builds is never refused: there must be a model to keep."""
+    if q.build_seconds is None or not any_built or elapsed + slowest <= q.build_seconds:
+        return None
+    return (f"not built: quantize.build_seconds={q.build_seconds:g} s would be passed ({elapsed:.0f} s spent, the "
+            f"slowest candidate took {slowest:.0f} s)")
+
+
 def confident_agreement(greedy: np.ndarray, fp32_greedy: np.ndarray, fp32_top: np.ndarray) -> float:
     """How often a candidate's greedy choice equals fp32's where fp32 gives its choice >= CONFIDENT_P; 1.0 where
     fp32 is never that sure (a random-init model): nothing to hold the candidate to, bits per byte decides."""
@@ -350,7 +368,8 @@ def build_candidates(q: QuantizeConfig, methods: list[str], fp32: Any, prepared:
                      scoring: tuple[np.ndarray, Any], hf_folder: Path | None, report: live.Report,
                      ) -> tuple[dict[str, Path], dict[str, dict], dict[str, str]]:
     """Each method's model in candidates/, scored against fp32: their files, their results, and the methods
-    skipped because the model builder refused the model. The prepared graph is removed after."""
+    skipped (the model builder refused the model, the model does not fit a candidate, or quantize.build_seconds
+    was spent), in the order of ``methods``. They are built in BUILD_ORDER. The prepared graph is removed after."""
     val_tokens, byte_lengths = scoring
     built: dict[str, Path] = {}
     fp32_score, fp32_choices, _ = score_with_choices(fp32, val_tokens, byte_lengths)
@@ -366,9 +385,15 @@ def build_candidates(q: QuantizeConfig, methods: list[str], fp32: Any, prepared:
     report(0.05, {"phase": "quantizing", "fp32 val bits per byte": results["fp32"]["val_bpb"]}, force=True)
     skipped: dict[str, str] = {}
     refused: GenaiBuildError | None = None  # the builder refuses a model (its config), not one precision
-    for i, method in enumerate(methods):
+    loop_started, slowest = time.perf_counter(), 0.0
+    order = sorted(methods, key=lambda m: BUILD_ORDER.index(m) if m in BUILD_ORDER else len(BUILD_ORDER))
+    for i, method in enumerate(order):
         target = candidates / f"{method}.onnx"
         t0 = time.perf_counter()
+        if spent := build_budget_spent(q, t0 - loop_started, slowest, bool(built)):
+            skipped[method] = spent
+            log.info("%s %s", method, spent)
+            continue
         if method in GENAI and hf_folder is not None and (misfit := kquant_misfit(GENAI[method], hf_folder)):
             skipped[method] = misfit
             log.info("%s is not a candidate for this model: %s", method, misfit)
@@ -394,6 +419,7 @@ def build_candidates(q: QuantizeConfig, methods: list[str], fp32: Any, prepared:
                            "confident_agreement": confident_agreement(greedy, fp32_greedy, fp32_top),
                            "kl_to_fp32": round(kl, 6),
                            "quantize_seconds": round(time.perf_counter() - t0, 2)}
+        slowest = max(slowest, results[method]["quantize_seconds"])
         log.info("%s: %.2f MB, val bpb %.4f, KL to fp32 %.5f nats/token, greedy agreement %.4f (%s)", method,
                  results[method]["file_bytes"] / 1e6, results[method]["val_bpb"], results[method]["kl_to_fp32"],
                  results[method]["token_agreement"],
@@ -406,7 +432,9 @@ def build_candidates(q: QuantizeConfig, methods: list[str], fp32: Any, prepared:
     onnx_files.remove(prepared)
     if refused is not None and not built:  # only the builder's candidates were asked for
         raise refused
-    return built, results, skipped
+    in_order = [m for m in methods if m in results]
+    return ({m: built[m] for m in in_order}, {"fp32": results["fp32"], **{m: results[m] for m in in_order}},
+            {m: skipped[m] for m in methods if m in skipped})
 
 
 def time_candidates(q: QuantizeConfig, lms: dict[str, Any], results: dict[str, dict], report: live.Report,
@@ -495,5 +523,5 @@ def _markdown(report: dict) -> str:
                      f"{r['confident_agreement']:.4f} | "
                      f"{r['prefill_tok_s']:,.0f} | "
                      f"{r['decode_tok_s']:,.0f} |")
-    lines += [f"\nnot a candidate: **{name}**, {why}" for name, why in report.get("skipped", {}).items()]
+    lines += [f"\nleft out: **{name}**: {why}" for name, why in report.get("skipped", {}).items()]
     return "\n".join(lines) + "\n"
