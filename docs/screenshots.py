@@ -27,6 +27,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MAX_PNG_BYTES = 300_000
+# MLflow's UI opens on its GenAI view with an assistant panel over a third of the page; these are the
+# settings its own toggles store, so the pictures show the model-training view a cpuforge user reads.
+MLFLOW_UI_SETTINGS = ("localStorage.setItem('mlflow.assistant.panelOpen_v1', 'false');"
+                      "localStorage.setItem('mlflow.assistant.fab.autoOpenedOnFirstLoad_v1', 'true');"
+                      "localStorage.setItem('mlflow.workflowType_v1', JSON.stringify('machine_learning'));")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 # Pretraining long enough to be caught running; everything else as the tiny profile has it.
@@ -142,6 +147,7 @@ def main() -> int:
         browser = pw.chromium.launch_persistent_context(  # a fresh profile folder, in the temporary folder
             tmp / "chromium", executable_path=args.chromium, args=CHROMIUM_FLAGS[1:], headless=True,
             viewport={"width": 1400, "height": 900})
+        browser.add_init_script(MLFLOW_UI_SETTINGS)
         page = browser.new_page()
         cmd = [*python, "cpuforge.flows.cli", "run", "--profile", "tiny", "--workdir", str(tmp / "work"),
                *[a for s in RUN_SETTINGS for a in ("--set", s)]]
