@@ -160,7 +160,21 @@ def run_stages(order: tuple[StageSpec, ...], summary: RunSummary, ctx: StageCont
         if record.status == "completed":  # built here, not reused
             summary.stages[record.stage].peak_rss_mb = round(peak_rss_mb(), 1)
         records[stages.record_name(spec)] = record
+        log_on_parent_run(ctx, record)
     return records
+
+
+def log_on_parent_run(ctx: StageContext, record: StageRecord) -> None:
+    """What runs are compared by, on the flow's parent run (the runs table's columns, the compare view): each
+    stage's seconds in this run as ``seconds/<stage>`` (a reused stage's are its lookup's), and evaluate's figures
+    as they are (the final model's ``final_val_bpb``, ``final_file_bytes``, speed-ups, every variant's
+    ``<variant>/<metric>``)."""
+    if ctx.parent_run_id is None:
+        return
+    metrics = {f"seconds/{record.stage}": record.seconds}
+    if record.stage == stages.EVALUATE.name:
+        metrics.update({k: v for k, v in record.metrics.items() if k != "seconds"})
+    tracking.log_run_metrics(ctx.parent_run_id, metrics)
 
 
 REGISTRATION_NEEDS = frozenset({"tokenize", "pretrain", "quantize", "evaluate"})  # records register_task reads

@@ -87,6 +87,12 @@ def test_run_then_rerun_is_cached_and_tracked(tmp_path, text_corpus, prefect_ser
     client = mlflow_client(workdir)
     parent = client.get_run(first["mlflow_run_id"])
     assert parent.info.status == "FINISHED" and parent.data.tags["cpuforge.profile"] == "tiny"
+    # runs are compared on the parent run: the final model's figures and each stage's time
+    final = first["stages"]["evaluate"]["metrics"]
+    assert {k: parent.data.metrics[k] for k in ("final_val_bpb", "final_file_bytes", "onnx-int8/decode_tok_s")} == {
+        k: final[k] for k in ("final_val_bpb", "final_file_bytes", "onnx-int8/decode_tok_s")}
+    assert {f"seconds/{name}" for name in stages} <= set(parent.data.metrics) and parent.data.metrics[
+        "seconds/pretrain"] == first["stages"]["pretrain"]["seconds"]
     child = client.get_run(tok["mlflow_run_id"])
     assert child.info.status == "FINISHED"
     assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
