@@ -74,7 +74,7 @@ class Variant:
             if fused_mlp:
                 block.mlp.forward = mlp_fused.__get__(block.mlp)
         if compile:
-            self.model.forward = torch.compile(self.model.forward)  # what train.compile=true does
+            self.model.compile_forward()  # what train.compile=true does
         kind = {"fused": True} if fused_adamw else {"foreach": True}
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, **kind)
         self.sliced_loss = sliced_loss

@@ -100,12 +100,19 @@ class _FusedDistillation(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
-# Not traced by torch.compile (a compiled forward calls it eagerly): its loop over slices would unroll, one copy per
-# slice, and what it runs is matmuls and single-pass softmaxes that compile would not speed up.
-@torch.compiler.disable
 def distillation_head_loss(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor,
                            distill: Distillation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(kd_weight * kd + lm_weight * lm, kd, lm) for the student's final hidden states (after its norm) and LM head
     weight; only the first carries a gradient (to both). Matmuls in bf16 under CPU autocast, softmaxes in fp32."""
     return _FusedDistillation.apply(hidden, head, targets, distill.teacher_hidden, distill.teacher_head,
                                     distill.temperature, distill.kd_weight, distill.lm_weight)
+
+
+def keep_out_of_compile() -> None:
+    """Make torch.compile call distillation_head_loss eagerly: traced, its loop over slices would unroll, one copy
+    per slice, and what it runs (matmuls, single-pass softmaxes) compile would not speed up. Llama.compile_forward
+    does this before compiling rather than a decorator at import: torch.compiler.disable imports torch._dynamo,
+    2.5 s that every process importing the model would pay (evaluate's measuring processes, one per variant)."""
+    global distillation_head_loss
+    if not getattr(distillation_head_loss, "_torchdynamo_disable", False):
+        distillation_head_loss = torch.compiler.disable(distillation_head_loss)

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from cpuforge.models import distill_head
 from cpuforge.models.config import LlamaConfig
-from cpuforge.models.distill_head import Distillation, distillation_head_loss
+from cpuforge.models.distill_head import Distillation
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v) of shape (B, n_kv_head, T, head_dim)
 
@@ -145,6 +146,11 @@ class Llama(nn.Module):
             if name.endswith(("wo.weight", "down.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
+    def compile_forward(self) -> None:
+        """torch.compile this model's forward, as training runs it; distillation's fused head loss stays eager."""
+        distill_head.keep_out_of_compile()
+        self.forward = torch.compile(self.forward)  # type: ignore[method-assign]
+
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -178,7 +184,8 @@ class Llama(nn.Module):
         if distill is not None:
             if targets is None:
                 raise ValueError("distill needs the targets: its loss includes the next-token cross-entropy")
-            return distillation_head_loss(h, self.lm_head.weight, targets, distill), new_cache
+            # looked up here, not imported: compile_forward replaces it with the version compile leaves eager
+            return distill_head.distillation_head_loss(h, self.lm_head.weight, targets, distill), new_cache
         if targets is None:
             return self.lm_head(h), new_cache
         h, targets = h.view(-1, h.size(-1)), targets.reshape(-1)

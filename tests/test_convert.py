@@ -10,6 +10,7 @@ import pytest
 
 from cpuforge.flows.cli import main
 from cpuforge.models.runtime import generate, load_language_model
+from cpuforge.tasks.stages.quantize import GENAI
 from tests.test_hf_import import make_corpus, save_hf_llama
 
 pytestmark = pytest.mark.slow
@@ -65,12 +66,15 @@ def test_quantize_an_exported_folder_then_a_model_folder(hf_llama, tmp_path, cap
     lm = load_language_model(tmp_path / "int8")
     assert lm.path == kept and len(list(generate(lm.decoder, lm.tokenizer.encode("The ").ids, 4))) == 4
 
-    # a model folder: exported into OUT/export first, and the GenAI builder's candidates made from the folder
+    # a model folder: exported into OUT/export first, and the GenAI builder's candidates made from the folder;
+    # a build cap too short for a second candidate keeps the likeliest winner and lists the rest
     metrics = run_json(capsys, ["quantize", str(source), "--text", str(text), "--method", "genai", "--context", "64",
-                                "--out", str(tmp_path / "from-folder")])
+                                "--build-seconds", "0.01", "--out", str(tmp_path / "from-folder")])
     out = tmp_path / "from-folder"
     assert (out / "export" / "model.onnx").is_file() and (out / "model.int8.onnx").is_file()
     assert metrics["val_bpb"] > 0 and metrics["int8_bytes"] < metrics["fp32_bytes"]
+    assert metrics["candidates_built"] == 1 and metrics["candidates_skipped"] == len(GENAI) - 1
+    assert "genai-int8-b64/val_bpb" in metrics and "left out: **genai-int4**" in (out / "quantize_report.md").read_text()
     assert load_language_model(out).cfg.block_size == 64
 
 
@@ -99,6 +103,9 @@ def test_bad_input_gets_one_line(hf_llama, tmp_path, capsys):
     run_json(capsys, ["export", str(source), "--out", str(tmp_path / "onnx"), "--context", "32"])
     assert "--context applies to a model folder" in error_line(
         ["quantize", str(tmp_path / "onnx"), "--text", str(text), "--context", "16", "--out", str(tmp_path / "d")])
+    with pytest.raises(SystemExit) as usage:  # argparse: the usage and one line
+        main(["quantize", str(tmp_path / "onnx"), "--text", str(text), "--build-seconds", "0"])
+    assert usage.value.code == 2 and "--build-seconds: 0 must be more than 0 seconds" in capsys.readouterr().err
     (tmp_path / "onnx" / "genai_config.json").unlink()
     assert "genai_config.json" in error_line(["quantize", str(tmp_path / "onnx" / "model.onnx"), "--text", str(text),
                                               "--out", str(tmp_path / "e")])

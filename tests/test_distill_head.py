@@ -56,3 +56,28 @@ def test_distill_needs_targets():
     teacher, student, x, _ = _models()
     with pytest.raises(ValueError, match="targets"):
         student(x, distill=distill_head.Distillation(teacher(x, hidden=True)[0], teacher.lm_head.weight))
+
+
+def test_a_compiled_student_computes_the_same_loss_with_the_head_loss_left_eager(monkeypatch):
+    import functools
+
+    teacher, student, x, y = _models()
+    monkeypatch.setattr(distill_head, "SLICE_ELEMENTS", 300 * 40)  # several slices: traced, the loop would unroll
+    eager = _loss_and_grads(distillation_loss(teacher, 2.0, 0.5, 0.5), student, x, y)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))  # dynamo, no C++ build
+    student.compile_forward()
+    assert distill_head.distillation_head_loss._torchdynamo_disable  # what compile leaves to eager
+    compiled = _loss_and_grads(distillation_loss(teacher, 2.0, 0.5, 0.5), student, x, y)
+    assert compiled[0] == pytest.approx(eager[0], rel=1e-5)
+    for name, grad in eager[2].items():
+        torch.testing.assert_close(compiled[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_importing_the_model_does_not_load_the_compiler():
+    """Evaluate measures each variant in a fresh interpreter: torch._dynamo's import would cost each 2.5 s."""
+    import subprocess
+    import sys
+
+    code = "import sys, cpuforge.tasks.engine.measure; print('torch._dynamo' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == \
+        "False"

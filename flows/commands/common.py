@@ -22,6 +22,17 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._get_help_string(action)
 
 
+def positive_seconds(text: str) -> float:
+    """argparse type: a number of seconds above 0 (argparse prints the usage and this line on anything else)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be more than 0 seconds")
+    return value
+
+
 def wrap(text: str) -> str:  # the formatter keeps line breaks (for the examples), so descriptions come wrapped
     return textwrap.fill(text, width=min(100, shutil.get_terminal_size().columns - 2))
 

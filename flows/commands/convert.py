@@ -7,7 +7,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from cpuforge.flows.commands.common import add_command
+from cpuforge.flows.commands.common import add_command, positive_seconds
 from cpuforge.tasks.records.errors import UserError
 
 
@@ -37,7 +37,8 @@ def add_quantize(sub: argparse._SubParsersAction) -> None:
                     "section's rule keeps one as OUT/model.int8.onnx with the GenAI files beside it. A model folder is "
                     "exported first (into OUT/export).",
                     ("cpuforge quantize ./SmolLM2-135M --text notes.txt --context 1024",
-                     "cpuforge quantize smollm-onnx --text notes.txt --method dynamic --out smollm-int8"))
+                     "cpuforge quantize smollm-onnx --text notes.txt --method dynamic --out smollm-int8",
+                     "cpuforge quantize ./SmolLM2-135M --text notes.txt --build-seconds 300 --speed-seconds 120"))
     p.add_argument("model", metavar="ONNX_OR_MODEL_DIR",
                    help="a model.onnx that `cpuforge export` (or the export stage) wrote, its folder, or a model folder")
     p.add_argument("--text", required=True, help="a UTF-8 text file to score and calibrate on")
@@ -47,6 +48,11 @@ def add_quantize(sub: argparse._SubParsersAction) -> None:
                    help="which candidates to try (quantize.method)")
     p.add_argument("--favour", choices=("balanced", "decode", "prefill"), default="balanced",
                    help="what the kept candidate is fastest at (quantize.favour)")
+    p.add_argument("--build-seconds", type=positive_seconds, metavar="S",
+                   help="stop building candidates (likeliest winners first) once another would end past S seconds "
+                        "(quantize.build_seconds; default: build every candidate)")
+    p.add_argument("--speed-seconds", type=positive_seconds, metavar="S",
+                   help="cap the timing rounds at S seconds (quantize.speed_seconds; default: until settled)")
     p.add_argument("--json", action="store_true", help="print the metrics as JSON")
     p.set_defaults(handler=quantize)
 
@@ -96,7 +102,8 @@ def quantize(args: argparse.Namespace) -> int:
     from cpuforge.tasks.release.convert import quantize_path
 
     with tempfile.TemporaryDirectory(prefix="cpuforge-quantize-") as work:
-        result = quantize_path(model, out, text, args.context, QuantizeConfig(method=args.method, favour=args.favour),
-                               Path(work))
+        settings = QuantizeConfig(method=args.method, favour=args.favour, build_seconds=args.build_seconds,
+                                  speed_seconds=args.speed_seconds)
+        result = quantize_path(model, out, text, args.context, settings, Path(work))
     _report(args, f"model.int8.onnx, {result.info['kept_is']} ({result.info['rule']})", out, result.metrics)
     return 0

@@ -47,7 +47,7 @@ def training_step_timer(model_cfg, batch: int, optimizer: str = "adamw", teacher
     model = Llama(model_cfg)
     model.activation_checkpointing = activation_checkpointing
     if compiled:
-        model.forward = torch.compile(model.forward)  # type: ignore[method-assign]
+        model.compile_forward()
     teacher = Llama(teacher_cfg).eval() if teacher_cfg is not None else None
     opt = build_optimizer(model, optimizer, lr=1e-5)
     # the trainer's loss: recovery's distillation (the teacher's forward and the fused head loss), else lm_loss

@@ -335,7 +335,7 @@ def run_training(spec: TrainingSpec | dict[str, Any]) -> TrainingResult | None:
     if spec.compile.get("compile", t.compile is True):
         if spec.cache_dir:  # inductor's FX graph and autograd caches: a later run (or auto's probe) compiled already
             use_inductor_cache(spec.cache_dir)
-        model.forward = torch.compile(model.forward)  # type: ignore[method-assign]
+        model.compile_forward()
     out_dir = Path(spec.out_dir)
     byte_lengths = token_byte_lengths(shards.tokenizer_path)
     val = val_batches(shards.val, t.eval_batches, t.batch_size, block)
