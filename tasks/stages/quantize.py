@@ -523,5 +523,8 @@ def _markdown(report: dict) -> str:
                      f"{r['confident_agreement']:.4f} | "
                      f"{r['prefill_tok_s']:,.0f} | "
                      f"{r['decode_tok_s']:,.0f} |")
-    lines += [f"\nleft out: **{name}**: {why}" for name, why in report.get("skipped", {}).items()]
+    by_reason: dict[str, list[str]] = {}  # one line per reason: a spent build budget leaves out several alike
+    for name, why in report.get("skipped", {}).items():
+        by_reason.setdefault(why, []).append(f"**{name}**")
+    lines += [f"\nleft out: {', '.join(names)}: {why}" for why, names in by_reason.items()]
     return "\n".join(lines) + "\n"
