@@ -274,6 +274,46 @@ def test_k_quant_candidates_are_4_bit_with_their_head_as_named_and_scored_agains
     assert metrics["genai-int8/kl_to_fp32"] < metrics["genai-int4/kl_to_fp32"]
 
 
+def test_gptq_candidate_is_4_bit_on_the_exported_graph_and_keeps_the_shared_head_fp32(quantized, exported):
+    """GPTQ int4 replaces every layer matmul of the exported graph with 4-bit MatMulNBits; the tied LM head, which
+    the lookup reads too, stays one fp32 table; it is scored against fp32 like the rest and generates."""
+    record, metrics = quantized
+    path = Path(record.output_dir) / "candidates" / "gptq-int4.onnx"
+    proto = onnx.load(str(path))
+    weights = {i.name for i in proto.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2}
+    fp32_matmuls = [n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in weights]
+    lookup = [n for n in proto.graph.node if n.op_type == "Gather" and n.input[0] in weights]
+    # the one fp32 matmul left is the head, reading the table the lookup gathers from
+    assert len(fp32_matmuls) == 1 and [n.input[0] for n in lookup] == [fp32_matmuls[0].input[1]]
+    packed = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+    exported_matmuls = [n for n in onnx.load(str(exported[0].path("onnx"))).graph.node if n.op_type == "MatMul"]
+    assert len(packed) == len(exported_matmuls) - 1  # every matmul but the head
+    assert {{a.name: a.i for a in n.attribute}["bits"] for n in packed} == {4}
+    assert "GPTQ" in read_metadata(path)["cpuforge.quantization"]
+    assert metrics["gptq-int4/val_bpb"] <= metrics["fp32/val_bpb"] * 1.02 and 0 < metrics["gptq-int4/kl_to_fp32"] < 0.5
+    lm = load_language_model(path)
+    assert len(list(generate(lm.decoder, lm.tokenizer.encode("The ").ids, 4))) == 4
+
+
+def test_gptq_codes_reproduce_the_solvers_weights_exactly():
+    """onnxruntime's GPTQ solver returns weights on a 4-bit grid without its scales: the codes and scales packed
+    are the ones that give back those very weights (quantizing them again would round twice)."""
+    from onnxruntime.quantization.neural_compressor.weight_only import gptq
+
+    from cpuforge.models.gptq_onnx import grid_codes
+
+    rng = np.random.default_rng(0)
+    weight = rng.normal(0, 0.05, (80, 24)).astype(np.float32)  # 80 rows: two whole blocks of 32 and a part
+    x = rng.normal(0, 1, (256, 80))
+    solved = gptq(weight.copy(), 2 / 256 * x.T @ x, num_bits=4, group_size=32, scheme="sym", blocksize=128,
+                  percdamp=0.01, actorder=False, mse=False, perchannel=True)
+    codes, scales = grid_codes(solved, 32)
+    assert codes.shape == (24 * 3, 32) and codes.max() <= 15 and scales.shape == (24 * 3, 1)
+    back = ((codes.astype(np.float64) - 8) * scales).reshape(24, 3 * 32).T[:80]
+    np.testing.assert_allclose(back, solved, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(solved, weight, atol=1e-4)  # it did quantize
+
+
 @pytest.mark.parametrize("hidden, mlp, odd", [(96, 128, "96"), (576, 736, "736"), (576, 1536, None)])
 def test_k_quant_is_not_a_candidate_where_a_width_is_an_odd_number_of_blocks(tmp_path, hidden, mlp, odd):
     """onnxruntime's k-quant fails on an odd number of 32-blocks (a pruned demo's 96, SmolLM2 pruned to 736):
@@ -385,7 +425,7 @@ def test_a_model_the_builder_refuses_keeps_the_other_candidates(exported, tokeni
     monkeypatch.setattr(quantize, "build_decoder", refuse)
     cfg = load_config("tiny", overrides=["quantize.method=best", "quantize.weight_type=qint8"])
     result = build_stage("quantize", cfg, tmp_path, tokenize=tokenized, recover=trained, export=exported[0])
-    assert result.info["kept"] in ("dynamic-qint8", "static-qdq")
+    assert result.info["kept"] in ("dynamic-qint8", "gptq-int4", "static-qdq")  # the families the builder is not
     assert set(result.info["skipped_candidates"]) == set(quantize.GENAI)
     assert "hidden size (112)" in (tmp_path / "quantize_report.md").read_text()
     only_genai = load_config("tiny", overrides=["quantize.method=genai"])  # nothing left to keep: the error stands

@@ -332,8 +332,8 @@ class ExportConfig(Section):
 class QuantizeConfig(Section):
     method: Literal["best", "dynamic", "static", "genai"] = Field(
         "best", description="'best' tries dynamic and static int8 and ONNX Runtime GenAI's fused weight-only int8/int4 "
-        "graphs (int4 with round-to-nearest or k-quant scales), and keeps the fastest that passes the quality gates; the "
-        "others try one family."
+        "graphs (int4 with round-to-nearest or k-quant scales) and GPTQ int4, and keeps the fastest that passes the "
+        "quality gates; the others try one family."
     )
     weight_type: Literal["auto", "qint8", "quint8"] = Field(
         "auto", description="Dynamic weight type; 'auto' picks what is accurate on this CPU."

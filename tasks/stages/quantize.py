@@ -10,6 +10,9 @@ Candidates (``quantize.method``, ``quantize.weight_type``):
   which onnxruntime's CPU kernels run on AVX2 too, see ACCURACY_LEVEL), each with the LM head quantized
   and kept fp32: whether the LM head pays for quantizing is measured like the rest; and int8 in blocks
   of 64 (fewer scales per row: whether that runs faster on this CPU and shape is measured too).
+- gptq-int4: GPTQ on the exported graph (models/gptq_onnx.py: onnxruntime's solver, each weight corrected for
+  its input's statistics on train-split batches), MatMulNBits int4 in symmetric blocks of 32; the tied LM head,
+  which the lookup shares, stays fp32 and stored once.
 - static: QDQ with activation ranges calibrated on train-split batches.
 They are built most likely winners first (BUILD_ORDER); ``quantize.build_seconds`` (which budget.minutes sets)
 leaves out the rest once building them would pass it, and the report lists them as not built.
@@ -62,6 +65,7 @@ import onnx
 from cpuforge.models import onnx_files
 from cpuforge.models.fileio import atomic_write_json, atomic_write_text
 from cpuforge.models.genai_build import GenaiBuildError, build_decoder
+from cpuforge.models.gptq_onnx import quantize_gptq
 from cpuforge.models.onnx_export import (
     decoder_feeds,
     read_metadata,
@@ -86,7 +90,8 @@ SPEC = stages.QUANTIZE
 # Simplest first: the order a tie is broken in (a dynamic model needs no calibration data). The builder's int8
 # graph in blocks of 64 comes before blocks of 32: the same graph with half the scales, a smaller file.
 SIMPLICITY = ("dynamic-qint8", "dynamic-quint8", "genai-int8-b64", "genai-int8", "genai-int8-fp32head", "genai-int4",
-              "genai-int4-kquant", "genai-int4-kquant-head8", "genai-int4-fp32head", "static-qdq")
+              "genai-int4-kquant", "genai-int4-kquant-head8", "genai-int4-fp32head", "gptq-int4", "static-qdq")
+GPTQ = "gptq-int4"
 
 
 class BuilderCandidate(NamedTuple):
@@ -112,9 +117,10 @@ GENAI = {"genai-int8": BuilderCandidate("int8", True, 32), "genai-int8-b64": Bui
 # The order candidates are built in, so that quantize.build_seconds leaves out the least likely winners: weight-only
 # int8 in blocks of 64 kept quality where dynamic int8 lost it (a 67M model pruned from a 135M one: 93-96% greedy
 # agreement against 40-59%); k-quant int4 with an int8 head is the best of the smallest files; dynamic int8 costs
-# seconds to build and often wins at small sizes; static QDQ needs calibration and decoded slowest.
+# seconds to build and often wins at small sizes; GPTQ runs the calibration batches and solves every weight; static
+# QDQ needs calibration and decoded slowest.
 BUILD_ORDER = ("genai-int8-b64", "genai-int4-kquant-head8", "dynamic-qint8", "dynamic-quint8", "genai-int4",
-               "genai-int4-kquant", "genai-int8", "genai-int8-fp32head", "genai-int4-fp32head", "static-qdq")
+               "genai-int4-kquant", "genai-int8", "genai-int8-fp32head", "genai-int4-fp32head", GPTQ, "static-qdq")
 META_QUANTIZATION = "cpuforge.quantization"
 MIN_ROUNDS, MAX_ROUNDS = 3, 12
 # The gate's agreement counts the positions where fp32's top choice has at least this probability. Where it has
@@ -129,7 +135,7 @@ CALIB_SEED = 2024  # fixed: the stage's key holds only the quantize section
 def candidate_methods(q: QuantizeConfig) -> list[str]:
     dynamic = {"auto": ["dynamic-qint8", "dynamic-quint8"], "qint8": ["dynamic-qint8"],
                "quint8": ["dynamic-quint8"]}[q.weight_type]
-    return {"best": dynamic + list(GENAI) + ["static-qdq"], "dynamic": dynamic, "static": ["static-qdq"],
+    return {"best": dynamic + list(GENAI) + [GPTQ, "static-qdq"], "dynamic": dynamic, "static": ["static-qdq"],
             "genai": list(GENAI)}[q.method]
 
 
@@ -147,6 +153,9 @@ def describe(method: str) -> str:
         algo = "k-quant scales" if c.algo.startswith("k_quant") else "round-to-nearest"
         return (f"{method}: ONNX Runtime GenAI model builder, MatMulNBits {c.precision} weights (block {c.block_size}, "
                 f"{algo}, accuracy_level {ACCURACY_LEVEL}), LM head {head}, fused GroupQueryAttention")
+    if method == GPTQ:
+        return (f"{GPTQ}: GPTQ (onnxruntime's solver, Hessians from train batches), MatMulNBits int4 weights "
+                f"(block 32, symmetric, accuracy_level {ACCURACY_LEVEL}) on the exported graph, tied LM head fp32")
     return {"dynamic-qint8": "dynamic-qint8: onnxruntime quantize_dynamic, int8 MatMul weights",
             "dynamic-quint8": "dynamic-quint8: onnxruntime quantize_dynamic, uint8 MatMul weights",
             "static-qdq": "static-qdq: onnxruntime quantize_static, QDQ int8 weights and activations"}[method]
@@ -183,6 +192,13 @@ def quantize_one(method: str, source: Path, target: Path, reader_factory, hf_fol
         config = build_decoder(hf_folder, target, c.precision, metadata, accuracy_level=ACCURACY_LEVEL,
                                quantize_lm_head=c.quantize_head, block_size=c.block_size, algo=c.algo)
         atomic_write_json(target.with_suffix(".genai_config.json"), config)
+        return
+    if method == GPTQ:
+        proto = onnx.load(str(source))
+        reader = reader_factory()
+        quantize_gptq(proto, iter(reader.get_next, None), block_size=32, accuracy_level=ACCURACY_LEVEL)
+        set_metadata(proto, metadata)
+        onnx_files.save(proto, target)
         return
     large = bool(onnx_files.external_files(source))  # the quantizers write external data only when told
     if method.startswith("dynamic"):
@@ -478,7 +494,7 @@ def quantize_metrics(results: dict[str, dict], decision: Decision, rounds: int,
         "fp32_decode_tok_s": base["decode_tok_s"], "decode_tok_s": kept_r["decode_tok_s"],
         "decode_speedup_vs_fp32": round(kept_r["decode_tok_s"] / base["decode_tok_s"], 3),
         "int8_decodes_slower_than_fp32": int(decision.decodes_slower_than_fp32),
-        "weight_bits": 4 if kept in GENAI and GENAI[kept].precision == "int4" else 8,
+        "weight_bits": 4 if kept == GPTQ or (kept in GENAI and GENAI[kept].precision == "int4") else 8,
         "token_agreement": kept_r["token_agreement"], "confident_agreement": kept_r["confident_agreement"],
         "confident_share": base["confident_share"], "kl_to_fp32": kept_r["kl_to_fp32"],
         "rule_rounds": rounds, "rule_settled": int(decision.settled),

@@ -1,0 +1,128 @@
+"""GPTQ at 4 bits for an ONNX decoder's MatMul weights: onnxruntime's GPTQ solver and MatMulNBits packing
+(``onnxruntime.quantization.neural_compressor.weight_only``), fed Hessians gathered in one pass.
+
+onnxruntime's own driver (MatMulNBitsQuantizer with GPTQWeightOnlyQuantConfig) runs the whole model once per
+distinct MatMul input and calibration batch: about 120 inputs at SmolLM2-135M's shape, so 240 full forwards for
+two batches. Here one run per batch returns every MatMul input at once, and each input's Hessian (2/n X^T X)
+accumulates from it. Blocks are symmetric (4-bit zero point 8, none stored): onnxruntime packs asymmetric 4-bit
+zero points two to a byte across rows and fails where a width is an odd number of blocks. A weight that another
+node also reads (a tied embedding's table, which the lookup gathers from) stays fp32 and stored once.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+from onnx.external_data_helper import load_external_data_for_model, uses_external_data
+
+from cpuforge.models import onnx_files
+
+BITS = 4
+GPTQ_BLOCK = 128  # columns the solver updates at once (the GPTQ paper's lazy batch), not the quantization block
+PERCENT_DAMP = 0.01  # of the mean Hessian diagonal added to it, so the inverse exists
+
+
+def quantizable_matmuls(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The MatMuls whose second input is a 2-D fp32 weight that no other node reads."""
+    inits = {t.name: t for t in graph.initializer}
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    return [n for n in graph.node if n.op_type == "MatMul" and n.input[1] in inits
+            and len(inits[n.input[1]].dims) == 2 and inits[n.input[1]].data_type == TensorProto.FLOAT
+            and readers[n.input[1]] == 1]
+
+
+def gather_hessians(proto: onnx.ModelProto, inputs: list[str], batches: Iterable[dict[str, np.ndarray]],
+                    work_dir: Path) -> dict[str, np.ndarray]:
+    """2/n X^T X for each named activation over every calibration batch, from one run of the graph per batch."""
+    import onnxruntime as ort
+
+    graph = proto.graph
+    graph.output.extend(helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in inputs)
+    augmented = work_dir / "augmented.onnx"
+    try:
+        onnx_files.save(proto, augmented, check=False)
+        if any(uses_external_data(t) for t in graph.initializer):  # the write moved a large graph's weights out
+            load_external_data_for_model(proto, str(work_dir))
+    finally:
+        del graph.output[len(graph.output) - len(inputs):]
+    session = ort.InferenceSession(str(augmented), providers=["CPUExecutionProvider"])
+    sums: dict[str, np.ndarray] = {}
+    rows = 0
+    for feeds in batches:
+        values = session.run(inputs, feeds)
+        for name, x in zip(inputs, values, strict=True):
+            x = x.reshape(-1, x.shape[-1]).astype(np.float32)
+            sums[name] = sums.get(name, 0) + x.T @ x
+        rows += values[0].reshape(-1, values[0].shape[-1]).shape[0]
+    if not rows:
+        raise ValueError("GPTQ needs at least one calibration batch")
+    return {name: (2.0 / rows) * s.astype(np.float64) for name, s in sums.items()}
+
+
+def grid_codes(solved: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The 4-bit codes (N x blocks, block_size; zero point 8) and scales (N x blocks, 1), in the layout
+    make_matmul_weight_only_node packs, that reproduce the
+    solver's output exactly. GPTQ returns weights already on a grid, k * s with k in [-8, 7] for each block of a
+    column, but not s: quantizing them again with a scale from their own range (onnxruntime's quant_tensor) lands
+    on another grid when the solver's extremes were not hit, and rounds twice. For each block the largest s =
+    peak / k (k = 1..8) that makes every value an integer multiple within [-8, 7] is exact."""
+    k_dim, n_dim = solved.shape
+    blocks = -(-k_dim // block_size)
+    padded = np.zeros((blocks * block_size, n_dim), np.float64)
+    padded[:k_dim] = solved
+    groups = padded.T.reshape(n_dim, blocks, block_size)
+    peak = np.abs(groups).max(axis=2, keepdims=True)
+    scale = np.where(peak > 0, peak / 7, 1.0)  # the solver's usual step: where nothing fits exactly (not seen)
+    found = peak == 0
+    for k in range(1, 9):
+        step = np.where(peak > 0, peak / k, 1.0)
+        ratio = groups / step
+        fits = (np.abs(ratio - np.round(ratio)) < 1e-3).all(axis=2, keepdims=True)
+        fits &= (np.round(ratio) >= -8).all(axis=2, keepdims=True) & (np.round(ratio) <= 7).all(axis=2, keepdims=True)
+        take = fits & ~found
+        scale = np.where(take, step, scale)
+        found |= take
+    codes = np.clip(np.round(groups / scale) + 8, 0, 15).astype(np.uint8)
+    return codes.reshape(n_dim * blocks, block_size), scale.reshape(n_dim * blocks, 1).astype(np.float32)
+
+
+def quantize_gptq(proto: onnx.ModelProto, batches: Iterable[dict[str, np.ndarray]], block_size: int = 32,
+                  accuracy_level: int = 4) -> int:
+    """Replace ``proto``'s quantizable MatMuls (in place; its weights loaded) by MatMulNBits at 4 bits in blocks of
+    ``block_size``, each weight solved by GPTQ against the Hessian of its input on ``batches`` (the graph's feeds).
+    Returns how many were replaced."""
+    from onnxruntime.quantization.neural_compressor.weight_only import gptq, make_matmul_weight_only_node
+
+    graph = proto.graph
+    targets = quantizable_matmuls(graph)
+    if not targets:
+        return 0
+    with tempfile.TemporaryDirectory(prefix="cpuforge-gptq-") as work:
+        hessians = gather_hessians(proto, sorted({n.input[0] for n in targets}), batches, Path(work))
+    inits = {t.name: t for t in graph.initializer}
+    for node in targets:
+        weight = numpy_helper.to_array(inits[node.input[1]]).astype(np.float32)
+        solved = gptq(weight.copy(), hessians[node.input[0]].copy(), num_bits=BITS, group_size=block_size,
+                      scheme="sym", blocksize=GPTQ_BLOCK, percdamp=PERCENT_DAMP, actorder=False, mse=False,
+                      perchannel=True)
+        codes, scales = grid_codes(solved, block_size)
+        replacement, new_inits = make_matmul_weight_only_node(
+            node=node, weight_shape=weight.shape, num_bits=BITS, group_size=block_size,
+            k_blocks=-(-weight.shape[0] // block_size),
+            q_weight=codes, scale=scales, zero_point=None, accuracy_level=accuracy_level)
+        at = list(graph.node).index(node)
+        graph.node.remove(node)
+        graph.node.insert(at, replacement)
+        graph.initializer.remove(inits.pop(node.input[1]))
+        graph.initializer.extend(new_inits)
+    if not any(op.domain == "com.microsoft" for op in proto.opset_import):
+        proto.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return len(targets)
