@@ -41,7 +41,8 @@ def quantizable_matmuls(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
 
 def gather_hessians(proto: onnx.ModelProto, inputs: list[str], batches: Iterable[dict[str, np.ndarray]],
                     work_dir: Path) -> dict[str, np.ndarray]:
-    """2/n X^T X for each named activation over every calibration batch, from one run of the graph per batch."""
+    """2/n X^T X (fp32) for each named activation over every calibration batch (the graph's feeds, batch first),
+    from one run of the graph per sequence."""
     import onnxruntime as ort
 
     graph = proto.graph
@@ -56,15 +57,17 @@ def gather_hessians(proto: onnx.ModelProto, inputs: list[str], batches: Iterable
     session = ort.InferenceSession(str(augmented), providers=["CPUExecutionProvider"])
     sums: dict[str, np.ndarray] = {}
     rows = 0
-    for feeds in batches:
-        values = session.run(inputs, feeds)
-        for name, x in zip(inputs, values, strict=True):
-            x = x.reshape(-1, x.shape[-1]).astype(np.float32)
-            sums[name] = sums.get(name, 0) + x.T @ x
-        rows += values[0].reshape(-1, values[0].shape[-1]).shape[0]
+    for batch in batches:
+        # a sequence at a time: every matmul input of a 1B model for 4 x 2048 tokens would hold 8.5 GB at once
+        for feeds in ({k: v[i:i + 1] for k, v in batch.items()} for i in range(len(next(iter(batch.values()))))):
+            values = session.run(inputs, feeds)
+            for name, x in zip(inputs, values, strict=True):
+                x = x.reshape(-1, x.shape[-1])
+                sums[name] = sums[name] + x.T @ x if name in sums else x.T @ x  # fp32: a 1B model's hold 3.9 GB
+            rows += values[0].size // values[0].shape[-1]
     if not rows:
         raise ValueError("GPTQ needs at least one calibration batch")
-    return {name: (2.0 / rows) * s.astype(np.float64) for name, s in sums.items()}
+    return {name: s * np.float32(2.0 / rows) for name, s in sums.items()}
 
 
 def grid_codes(solved: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -110,7 +113,7 @@ def quantize_gptq(proto: onnx.ModelProto, batches: Iterable[dict[str, np.ndarray
     inits = {t.name: t for t in graph.initializer}
     for node in targets:
         weight = numpy_helper.to_array(inits[node.input[1]]).astype(np.float32)
-        solved = gptq(weight.copy(), hessians[node.input[0]].copy(), num_bits=BITS, group_size=block_size,
+        solved = gptq(weight.copy(), hessians[node.input[0]].astype(np.float64), num_bits=BITS, group_size=block_size,
                       scheme="sym", blocksize=GPTQ_BLOCK, percdamp=PERCENT_DAMP, actorder=False, mse=False,
                       perchannel=True)
         codes, scales = grid_codes(solved, block_size)
