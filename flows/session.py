@@ -174,7 +174,10 @@ def log_on_parent_run(ctx: StageContext, record: StageRecord) -> None:
     metrics = {f"seconds/{record.stage}": record.seconds}
     if record.stage == stages.EVALUATE.name:
         metrics.update({k: v for k, v in record.metrics.items() if k != "seconds"})
-    tracking.log_run_metrics(ctx.parent_run_id, metrics)
+    try:
+        tracking.log_run_metrics(ctx.parent_run_id, metrics)
+    except Exception as exc:  # noqa: BLE001  a summary for the runs table is not worth failing a finished stage for
+        log.warning("the parent MLflow run did not take %s's figures: %s: %s", record.stage, type(exc).__name__, exc)
 
 
 REGISTRATION_NEEDS = frozenset({"tokenize", "pretrain", "quantize", "evaluate"})  # records register_task reads

@@ -3,7 +3,7 @@
 
 onnxruntime's own driver (MatMulNBitsQuantizer with GPTQWeightOnlyQuantConfig) runs the whole model once per
 distinct MatMul input and calibration batch: about 120 inputs at SmolLM2-135M's shape, so 240 full forwards for
-two batches. Here one run per batch returns every MatMul input at once, and each input's Hessian (2/n X^T X)
+two batches. Here one run per sequence returns every MatMul input at once, and each input's Hessian (2/n X^T X)
 accumulates from it. Blocks are symmetric (4-bit zero point 8, none stored): onnxruntime packs asymmetric 4-bit
 zero points two to a byte across rows and fails where a width is an odd number of blocks. A weight that another
 node also reads (a tied embedding's table, which the lookup gathers from) stays fp32 and stored once.
@@ -98,17 +98,18 @@ def grid_codes(solved: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndar
 
 
 def quantize_gptq(proto: onnx.ModelProto, batches: Iterable[dict[str, np.ndarray]], block_size: int = 32,
-                  accuracy_level: int = 4) -> int:
+                  accuracy_level: int = 4, work_dir: Path | None = None) -> int:
     """Replace ``proto``'s quantizable MatMuls (in place; its weights loaded) by MatMulNBits at 4 bits in blocks of
     ``block_size``, each weight solved by GPTQ against the Hessian of its input on ``batches`` (the graph's feeds).
-    Returns how many were replaced."""
+    The graph with its extra outputs is written to a temporary folder in ``work_dir`` (a 1B model's 4.4 GB: put
+    it beside the output, not in a small /tmp). Returns how many were replaced."""
     from onnxruntime.quantization.neural_compressor.weight_only import gptq, make_matmul_weight_only_node
 
     graph = proto.graph
     targets = quantizable_matmuls(graph)
     if not targets:
         return 0
-    with tempfile.TemporaryDirectory(prefix="cpuforge-gptq-") as work:
+    with tempfile.TemporaryDirectory(prefix="cpuforge-gptq-", dir=work_dir) as work:
         hessians = gather_hessians(proto, sorted({n.input[0] for n in targets}), batches, Path(work))
     inits = {t.name: t for t in graph.initializer}
     for node in targets:

@@ -313,6 +313,21 @@ def test_gptq_codes_reproduce_the_solvers_weights_exactly():
     np.testing.assert_allclose(back, solved, rtol=1e-5, atol=1e-7)
     assert not np.allclose(solved, weight, atol=1e-4)  # it did quantize
 
+    # packed as onnxruntime's MatMulNBits reads them: a one-matmul graph computes x @ solved
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+    from onnxruntime.quantization.neural_compressor.weight_only import make_matmul_weight_only_node
+
+    matmul = helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")
+    node, inits = make_matmul_weight_only_node(node=matmul, weight_shape=weight.shape, num_bits=4, group_size=32,
+                                               k_blocks=3, q_weight=codes, scale=scales, zero_point=None)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 80])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 24])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    xs = x[:8].astype(np.float32)
+    out = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": xs})[0]
+    np.testing.assert_allclose(out, xs @ solved.astype(np.float32), rtol=1e-4, atol=1e-4)
+
 
 @pytest.mark.parametrize("hidden, mlp, odd", [(96, 128, "96"), (576, 736, "736"), (576, 1536, None)])
 def test_k_quant_is_not_a_candidate_where_a_width_is_an_odd_number_of_blocks(tmp_path, hidden, mlp, odd):
@@ -406,7 +421,7 @@ def test_a_build_budget_builds_the_likeliest_winner_and_lists_the_rest(exported,
     assert result.info["kept"] == first and (tmp_path / "candidates" / f"{first}.onnx").exists()
     left = result.info["skipped_candidates"]
     assert set(left) == set(candidate_methods(cfg.quantize)) - {first}
-    assert all("quantize.build_seconds=0.01 s would be passed" in why for why in left.values())
+    assert all("quantize.build_seconds=0.01 s would be passed" in why or "k-quant" in why for why in left.values())
     assert result.metrics["candidates_built"] == 1 and result.metrics["candidates_skipped"] == len(left)
     report = (tmp_path / "quantize_report.md").read_text()
     assert report.count("not built: quantize.build_seconds") == 1  # one line names them all

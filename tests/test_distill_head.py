@@ -65,6 +65,10 @@ def test_a_compiled_student_computes_the_same_loss_with_the_head_loss_left_eager
     monkeypatch.setattr(distill_head, "SLICE_ELEMENTS", 300 * 40)  # several slices: traced, the loop would unroll
     eager = _loss_and_grads(distillation_loss(teacher, 2.0, 0.5, 0.5), student, x, y)
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))  # dynamo, no C++ build
+    # the module as a fresh process has it (an earlier test may have compiled a model already)
+    monkeypatch.setattr(distill_head, "distillation_head_loss", getattr(
+        distill_head.distillation_head_loss, "_torchdynamo_orig_callable", distill_head.distillation_head_loss))
+    assert not getattr(distill_head.distillation_head_loss, "_torchdynamo_disable", False)
     student.compile_forward()
     assert distill_head.distillation_head_loss._torchdynamo_disable  # what compile leaves to eager
     compiled = _loss_and_grads(distillation_loss(teacher, 2.0, 0.5, 0.5), student, x, y)

@@ -353,7 +353,7 @@ class QuantizeConfig(Section):
         "says so. null: rounds go on until settled (at most 12). budget.minutes sets it to 5% of the budget.")
     build_seconds: float | None = Field(
         None, gt=0, description="Wall-clock cap on building and scoring the candidates, most likely winners first "
-        "(the builder's int8 in blocks of 64, its int4 variants, then the rest): the first is always built, and no "
+        "(the builder's int8 in blocks of 64, its k-quant int4 with an int8 head, dynamic int8, then the rest): the first is always built, and no "
         "other starts that would end past the cap at the pace of the slowest built so far; those left are listed "
         "as not built. null: every candidate. budget.minutes sets it to 5% of the budget.")
     favour: Literal["balanced", "decode", "prefill"] = Field(

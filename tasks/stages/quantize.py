@@ -11,8 +11,8 @@ Candidates (``quantize.method``, ``quantize.weight_type``):
   and kept fp32: whether the LM head pays for quantizing is measured like the rest; and int8 in blocks
   of 64 (fewer scales per row: whether that runs faster on this CPU and shape is measured too).
 - gptq-int4: GPTQ on the exported graph (models/gptq_onnx.py: onnxruntime's solver, each weight corrected for
-  its input's statistics on train-split batches), MatMulNBits int4 in symmetric blocks of 32; the tied LM head,
-  which the lookup shares, stays fp32 and stored once.
+  its input's statistics on train-split batches), MatMulNBits int4 in symmetric blocks of 32; a tied LM head,
+  which the lookup shares, stays fp32 and stored once (an untied one is quantized too).
 - static: QDQ with activation ranges calibrated on train-split batches.
 They are built most likely winners first (BUILD_ORDER); ``quantize.build_seconds`` (which budget.minutes sets)
 leaves out the rest once building them would pass it, and the report lists them as not built.
@@ -155,7 +155,8 @@ def describe(method: str) -> str:
                 f"{algo}, accuracy_level {ACCURACY_LEVEL}), LM head {head}, fused GroupQueryAttention")
     if method == GPTQ:
         return (f"{GPTQ}: GPTQ (onnxruntime's solver, Hessians from train batches), MatMulNBits int4 weights "
-                f"(block 32, symmetric, accuracy_level {ACCURACY_LEVEL}) on the exported graph, tied LM head fp32")
+                f"(block 32, symmetric, accuracy_level {ACCURACY_LEVEL}) on the exported graph; an LM head the "
+                "lookup shares (tied) stays fp32")
     return {"dynamic-qint8": "dynamic-qint8: onnxruntime quantize_dynamic, int8 MatMul weights",
             "dynamic-quint8": "dynamic-quint8: onnxruntime quantize_dynamic, uint8 MatMul weights",
             "static-qdq": "static-qdq: onnxruntime quantize_static, QDQ int8 weights and activations"}[method]
@@ -196,7 +197,8 @@ def quantize_one(method: str, source: Path, target: Path, reader_factory, hf_fol
     if method == GPTQ:
         proto = onnx.load(str(source))
         reader = reader_factory()
-        quantize_gptq(proto, iter(reader.get_next, None), block_size=32, accuracy_level=ACCURACY_LEVEL)
+        quantize_gptq(proto, iter(reader.get_next, None), block_size=32, accuracy_level=ACCURACY_LEVEL,
+                      work_dir=target.parent)
         set_metadata(proto, metadata)
         onnx_files.save(proto, target)
         return
@@ -401,30 +403,42 @@ def build_candidates(q: QuantizeConfig, methods: list[str], fp32: Any, prepared:
     report(0.05, {"phase": "quantizing", "fp32 val bits per byte": results["fp32"]["val_bpb"]}, force=True)
     skipped: dict[str, str] = {}
     refused: GenaiBuildError | None = None  # the builder refuses a model (its config), not one precision
-    loop_started, slowest = time.perf_counter(), 0.0
+    loop_started, slowest, spent = time.perf_counter(), 0.0, None
+    refused_by = ""
     order = sorted(methods, key=lambda m: BUILD_ORDER.index(m) if m in BUILD_ORDER else len(BUILD_ORDER))
     for i, method in enumerate(order):
         target = candidates / f"{method}.onnx"
         t0 = time.perf_counter()
-        if spent := build_budget_spent(q, t0 - loop_started, slowest, bool(built)):
-            skipped[method] = spent
-            log.info("%s %s", method, spent)
-            continue
         if method in GENAI and hf_folder is not None and (misfit := kquant_misfit(GENAI[method], hf_folder)):
             skipped[method] = misfit
             log.info("%s is not a candidate for this model: %s", method, misfit)
             continue
+        if method in GENAI and refused is not None:
+            skipped[method] = skipped[refused_by]
+            continue
+        # once spent, the same words for every candidate left (the report names them on one line)
+        spent = spent or build_budget_spent(q, t0 - loop_started, slowest, bool(built))
+        if spent:
+            skipped[method] = spent
+            log.info("%s %s", method, spent)
+            continue
         try:
-            if method in GENAI and refused is not None:
-                raise refused
             quantize_one(method, prepared, target, lambda: _calibration_reader(shards, q, fp32.cfg), hf_folder)
         except GenaiBuildError as exc:
             # One family's tool refusing this model is not a reason to lose the others' candidates; a failure
             # of k-quant's own code path says nothing about the builder's other candidates.
             if not GENAI[method].algo.startswith("k_quant"):
-                refused = exc
+                refused, refused_by = exc, method
             skipped[method] = str(exc).strip().splitlines()[-1].strip()[:300]
             log.warning("%s skipped: the model builder failed (%s)", method, skipped[method])
+            continue
+        except Exception as exc:  # noqa: BLE001  (GPTQ's: below; anything else is raised again)
+            if method != GPTQ:
+                raise
+            # The newest and most memory-hungry candidate, built late: its failure loses none of the others.
+            onnx_files.remove(target)
+            skipped[method] = f"failed: {type(exc).__name__}: {str(exc).strip()[:300]}"
+            log.warning("%s skipped: %s", method, skipped[method])
             continue
         lm = load_language_model(target)
         score, choices, kl = score_with_choices(lm, val_tokens, byte_lengths, reference=fp32_choices)
