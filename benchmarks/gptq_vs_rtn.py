@@ -6,7 +6,7 @@ EXPORT_DIR is an export stage's folder or `cpuforge export`'s output (model.onnx
 file, tokenized as `cpuforge quantize --text` does (its last 10% validates, the rest calibrates). Prints the
 seconds and peak memory GPTQ takes, and each file's size, bits per byte against fp32 and KL to fp32 on the same
 validation tokens. Round-to-nearest is onnxruntime's MatMulNBitsQuantizer, symmetric blocks of 32, every
-MatMul (the LM head too); GPTQ leaves the tied head fp32, as the candidate does.
+MatMul (the LM head too); GPTQ quantizes the head to int8, which the tied lookup reads, as the candidate does.
 """
 
 from __future__ import annotations

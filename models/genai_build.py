@@ -89,51 +89,26 @@ def ties_embeddings(hf_folder: Path) -> bool:
     return bool(json.loads((Path(hf_folder) / "config.json").read_text()).get("tie_word_embeddings", False))
 
 
-def share_int8_embedding(proto: Any) -> bool:
+def share_int8_embedding(proto: Any, lookup_name: str = EMBEDDING) -> bool:
     """Let the embedding lookup read the int8 LM head's weights (``GatherBlockQuantized``, bits=8) instead
     of the fp32 table the builder leaves beside them; only for a model that ties the two.
 
     At int4 the builder shares one table itself; at int8 it keeps a separate fp32 copy (its check says
     GatherBlockQuantized is 4-bit only, but onnxruntime has had the 8-bit kernel since mid-2025, with
-    MatMulNBits' layout and default zero point 128). On the demo that copy is half of the file. MatMulNBits stores
-    the head as (vocab, blocks, block) uint8 with (vocab, blocks) scales, each row padded to whole
-    blocks: reshaped to (vocab, blocks x block) it is the row-wise blocked table GatherBlockQuantized
-    reads, and a Slice drops the padding of a width that is not a whole number of blocks (as the
-    builder's int4 sharing does). Returns whether the graph changed (not where the head is not a
-    symmetric 8-bit MatMulNBits)."""
-    from onnx import helper, numpy_helper
-
+    MatMulNBits' layout and default zero point 128). On the demo that copy is half of the file.
+    ``lookup_name`` names the Gather. Returns whether the graph changed (not where the head is not a symmetric
+    8-bit MatMulNBits)."""
     graph = proto.graph
-    head = next((n for n in graph.node if n.op_type == "MatMulNBits" and "logits" in n.output), None)
-    lookup = next((n for n in graph.node if n.op_type == "Gather" and n.name == EMBEDDING), None)
+    head = int8_head(graph)
+    lookup = next((n for n in graph.node if n.op_type == "Gather" and n.name == lookup_name), None)
     if head is None or lookup is None:
         return False
-    attrs = {a.name: helper.get_attribute_value(a) for a in head.attribute}
-    if attrs.get("bits") != 8 or any(head.input[3:4]):  # the builder's int8 is symmetric: no zero points
-        return False
-    block, width = attrs["block_size"], attrs["K"]
-    padded = -(-width // block) * block
+    attrs = _attributes(head)
     table = lookup.input[0]
     stored = next((i for i in graph.initializer if i.name == table), None)
-    if stored is None or list(stored.dims) != [attrs["N"], width]:  # not the head's (vocab, width) table
+    if stored is None or list(stored.dims) != [attrs["N"], attrs["K"]]:  # not the head's (vocab, width) table
         return False
-
-    def constant(name: str, values: list[int]) -> str:
-        graph.initializer.append(numpy_helper.from_array(np.array(values, dtype=np.int64), f"{EMBEDDING}/{name}"))
-        return f"{EMBEDDING}/{name}"
-
-    # MatMulNBits takes its scales flat or (vocab, blocks); GatherBlockQuantized wants the table's rank
-    nodes = [helper.make_node("Reshape", [head.input[1], constant("shape", [attrs["N"], padded])],
-                              [f"{EMBEDDING}/table"], name=f"{EMBEDDING}/Reshape"),
-             helper.make_node("Reshape", [head.input[2], constant("scales_shape", [attrs["N"], padded // block])],
-                              [f"{EMBEDDING}/scales"], name=f"{EMBEDDING}/ReshapeScales")]
-    gathered = lookup.output[0] if padded == width else f"{EMBEDDING}/padded"
-    inputs = [nodes[0].output[0], lookup.input[1], nodes[1].output[0]]
-    nodes.append(helper.make_node("GatherBlockQuantized", inputs, [gathered], name=f"{EMBEDDING}BlockQuantized",
-                                  domain="com.microsoft", bits=8, block_size=block, gather_axis=0, quantize_axis=1))
-    if padded != width:
-        nodes.append(helper.make_node("Slice", [gathered, constant("start", [0]), constant("end", [width]),
-                                                constant("axis", [-1])], list(lookup.output), name=f"{EMBEDDING}/Slice"))
+    nodes = gather_head_rows(graph, head, lookup.input[1], lookup.output[0], lookup_name)
     at = list(graph.node).index(lookup)
     graph.node.remove(lookup)
     for node in reversed(nodes):
@@ -141,6 +116,51 @@ def share_int8_embedding(proto: Any) -> bool:
     if not any(table in n.input for n in graph.node) and table not in {o.name for o in graph.output}:
         graph.initializer.remove(stored)
     return True
+
+
+def _attributes(node: Any) -> dict[str, Any]:
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def int8_head(graph: Any) -> Any:
+    """The LM head when it is a symmetric 8-bit MatMulNBits (no zero points: 128), else None."""
+    head = next((n for n in graph.node if n.op_type == "MatMulNBits" and "logits" in n.output), None)
+    if head is None or _attributes(head).get("bits") != 8 or any(head.input[3:4]):
+        return None
+    return head
+
+
+def gather_head_rows(graph: Any, head: Any, ids: str, output: str, prefix: str) -> list[Any]:
+    """The nodes that gather rows ``ids`` of the 8-bit MatMulNBits ``head``'s (vocab, width) table into
+    ``output`` (their constants added to ``graph``, names under ``prefix``). MatMulNBits stores the head as
+    (vocab, blocks, block) uint8 with (vocab, blocks) scales, each row padded to whole blocks: reshaped to
+    (vocab, blocks x block) it is the row-wise blocked table GatherBlockQuantized reads, and a Slice drops the
+    padding of a width that is not a whole number of blocks (as the builder's int4 sharing does)."""
+    from onnx import helper, numpy_helper
+
+    attrs = _attributes(head)
+    block, width = attrs["block_size"], attrs["K"]
+    padded = -(-width // block) * block
+
+    def constant(name: str, values: list[int]) -> str:
+        graph.initializer.append(numpy_helper.from_array(np.array(values, dtype=np.int64), f"{prefix}/{name}"))
+        return f"{prefix}/{name}"
+
+    # MatMulNBits takes its scales flat or (vocab, blocks); GatherBlockQuantized wants the table's rank
+    nodes = [helper.make_node("Reshape", [head.input[1], constant("shape", [attrs["N"], padded])],
+                              [f"{prefix}/table"], name=f"{prefix}/Reshape"),
+             helper.make_node("Reshape", [head.input[2], constant("scales_shape", [attrs["N"], padded // block])],
+                              [f"{prefix}/scales"], name=f"{prefix}/ReshapeScales")]
+    gathered = output if padded == width else f"{prefix}/padded"
+    nodes.append(helper.make_node("GatherBlockQuantized", [nodes[0].output[0], ids, nodes[1].output[0]],
+                                  [gathered], name=f"{prefix}BlockQuantized", domain="com.microsoft", bits=8,
+                                  block_size=block, gather_axis=0, quantize_axis=1))
+    if padded != width:
+        nodes.append(helper.make_node("Slice", [gathered, constant("start", [0]), constant("end", [width]),
+                                                constant("axis", [-1])], [output], name=f"{prefix}/Slice"))
+    return nodes
 
 
 def shares_kv_buffer(proto: Any) -> bool:

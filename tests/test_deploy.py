@@ -274,23 +274,27 @@ def test_k_quant_candidates_are_4_bit_with_their_head_as_named_and_scored_agains
     assert metrics["genai-int8/kl_to_fp32"] < metrics["genai-int4/kl_to_fp32"]
 
 
-def test_gptq_candidate_is_4_bit_on_the_exported_graph_and_keeps_the_shared_head_fp32(quantized, exported):
-    """GPTQ int4 replaces every layer matmul of the exported graph with 4-bit MatMulNBits; the tied LM head, which
-    the lookup reads too, stays one fp32 table; it is scored against fp32 like the rest and generates."""
+def test_gptq_candidate_is_4_bit_with_an_8_bit_head_the_lookup_shares(quantized, exported):
+    """GPTQ int4 replaces every layer matmul of the exported graph with 4-bit MatMulNBits and the tied LM head
+    with an 8-bit one whose blocks the lookup reads: no fp32 matrix or table is left. It is scored against fp32
+    like the rest and generates."""
     record, metrics = quantized
     path = Path(record.output_dir) / "candidates" / "gptq-int4.onnx"
     proto = onnx.load(str(path))
-    weights = {i.name for i in proto.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 2}
-    fp32_matmuls = [n for n in proto.graph.node if n.op_type == "MatMul" and n.input[1] in weights]
-    lookup = [n for n in proto.graph.node if n.op_type == "Gather" and n.input[0] in weights]
-    # the one fp32 matmul left is the head, reading the table the lookup gathers from
-    assert len(fp32_matmuls) == 1 and [n.input[0] for n in lookup] == [fp32_matmuls[0].input[1]]
-    packed = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
+    bits = {n.name: {a.name: a.i for a in n.attribute}["bits"] for n in proto.graph.node
+            if n.op_type in ("MatMulNBits", "GatherBlockQuantized")}
+    head = next(n for n in proto.graph.node if n.op_type == "MatMulNBits" and "logits" in n.output)
+    vocab = {a.name: a.i for a in head.attribute}["N"]
+    assert not [i.name for i in proto.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and vocab in i.dims
+                and not i.name.endswith("_scale")]
+    assert not [n for n in proto.graph.node if n.op_type in ("MatMul", "Gather")]  # no fp32 matmul or lookup left
+    lookup = next(n for n in proto.graph.node if n.op_type == "GatherBlockQuantized")
+    assert bits[head.name] == 8 and bits[lookup.name] == 8
     exported_matmuls = [n for n in onnx.load(str(exported[0].path("onnx"))).graph.node if n.op_type == "MatMul"]
-    assert len(packed) == len(exported_matmuls) - 1  # every matmul but the head
-    assert {{a.name: a.i for a in n.attribute}["bits"] for n in packed} == {4}
+    assert sorted(bits.values()) == [4] * (len(exported_matmuls) - 1) + [8, 8]  # every layer matmul at 4 bits
     assert "GPTQ" in read_metadata(path)["cpuforge.quantization"]
     assert metrics["gptq-int4/val_bpb"] <= metrics["fp32/val_bpb"] * 1.02 and 0 < metrics["gptq-int4/kl_to_fp32"] < 0.5
+    assert path.stat().st_size < 0.25 * Path(exported[0].path("onnx")).stat().st_size
     lm = load_language_model(path)
     assert len(list(generate(lm.decoder, lm.tokenizer.encode("The ").ids, 4))) == 4
 

@@ -1,5 +1,6 @@
-"""models/genai_build.share_int8_embedding on graphs laid out as ONNX Runtime GenAI's builder lays them out:
-the embedding lookup then reads the int8 LM head's blocks, whole or padded, and gives the rows the head holds."""
+"""models/genai_build.share_int8_embedding on graphs laid out as ONNX Runtime GenAI's builder lays them out, and
+models/gptq_onnx.quantize_head on the exported graph's: the embedding lookup then reads the int8 LM head's blocks,
+whole or padded, and gives the rows the head holds."""
 
 from __future__ import annotations
 
@@ -88,3 +89,28 @@ def test_only_a_tied_model_shares_its_table(tmp_path, config, tied):
     (transformers' LlamaConfig leaves them untied when config.json does not say)."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **config}))
     assert ties_embeddings(tmp_path) is tied
+
+
+@pytest.mark.parametrize("width", [64, 40])
+def test_gptq_head_is_int8_and_the_exported_lookup_reads_it(width):
+    """The exported graph's tied layout (Gather of the table's rows, the head reading its Transpose): the head
+    becomes 8-bit MatMulNBits, the lookup gathers its blocks, and no fp32 table is left."""
+    from cpuforge.models.gptq_onnx import quantize_head
+
+    table = np.random.default_rng(width).normal(size=(VOCAB, width)).astype(np.float32)
+    _, _, dequantized = _quantized_head(table)
+    nodes = [helper.make_node("Gather", ["table", "input_ids"], ["rows"], name="node_embedding"),
+             helper.make_node("Transpose", ["table"], ["table_t"], perm=[1, 0]),
+             helper.make_node("MatMul", ["rows", "table_t"], ["logits"], name="head")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["B", "T"])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", "T", VOCAB])],
+                              [numpy_helper.from_array(table, "table")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    ids = np.array([[0, 7, 47, 7]], dtype=np.int64)
+    assert quantize_head(model, BLOCK, accuracy_level=0)
+    onnx.checker.check_model(model)
+    assert [i.name for i in model.graph.initializer if i.data_type == TensorProto.FLOAT and len(i.dims) == 2
+            and VOCAB in i.dims and not i.name.endswith("_scale")] == []
+    assert sorted(n.op_type for n in model.graph.node if n.domain == "com.microsoft") == ["GatherBlockQuantized",
+                                                                                           "MatMulNBits"]
+    np.testing.assert_allclose(_logits(model, ids), dequantized[ids] @ dequantized.T, rtol=1e-4, atol=1e-3)

@@ -11,8 +11,8 @@ Candidates (``quantize.method``, ``quantize.weight_type``):
   and kept fp32: whether the LM head pays for quantizing is measured like the rest; and int8 in blocks
   of 64 (fewer scales per row: whether that runs faster on this CPU and shape is measured too).
 - gptq-int4: GPTQ on the exported graph (models/gptq_onnx.py: onnxruntime's solver, each weight corrected for
-  its input's statistics on train-split batches), MatMulNBits int4 in symmetric blocks of 32; a tied LM head,
-  which the lookup shares, stays fp32 and stored once (an untied one is quantized too).
+  its input's statistics on train-split batches), MatMulNBits int4 in symmetric blocks of 32, the LM head at int8
+  (round-to-nearest); a tied embedding's lookup reads the head's int8 blocks.
 - static: QDQ with activation ranges calibrated on train-split batches.
 They are built most likely winners first (BUILD_ORDER); ``quantize.build_seconds`` (which budget.minutes sets)
 leaves out the rest once building them would pass it, and the report lists them as not built.
@@ -155,8 +155,8 @@ def describe(method: str) -> str:
                 f"{algo}, accuracy_level {ACCURACY_LEVEL}), LM head {head}, fused GroupQueryAttention")
     if method == GPTQ:
         return (f"{GPTQ}: GPTQ (onnxruntime's solver, Hessians from train batches), MatMulNBits int4 weights "
-                f"(block 32, symmetric, accuracy_level {ACCURACY_LEVEL}) on the exported graph; an LM head the "
-                "lookup shares (tied) stays fp32")
+                f"(block 32, symmetric, accuracy_level {ACCURACY_LEVEL}) on the exported graph; LM head int8 "
+                "(round-to-nearest), which a tied lookup reads")
     return {"dynamic-qint8": "dynamic-qint8: onnxruntime quantize_dynamic, int8 MatMul weights",
             "dynamic-quint8": "dynamic-quint8: onnxruntime quantize_dynamic, uint8 MatMul weights",
             "static-qdq": "static-qdq: onnxruntime quantize_static, QDQ int8 weights and activations"}[method]
