@@ -114,3 +114,27 @@ def test_gptq_head_is_int8_and_the_exported_lookup_reads_it(width):
     assert sorted(n.op_type for n in model.graph.node if n.domain == "com.microsoft") == ["GatherBlockQuantized",
                                                                                            "MatMulNBits"]
     np.testing.assert_allclose(_logits(model, ids), dequantized[ids] @ dequantized.T, rtol=1e-4, atol=1e-3)
+
+
+def test_gptq_head_of_an_untied_model_is_int8_and_its_lookup_keeps_its_own_table():
+    """An untied head reads its own (width, vocab) weight: it becomes 8-bit, and the lookup still gathers the
+    embedding's rows, not the head's."""
+    from cpuforge.models.gptq_onnx import quantize_head
+
+    rng = np.random.default_rng(1)
+    embedding = rng.normal(size=(VOCAB, 64)).astype(np.float32)
+    head = rng.normal(size=(VOCAB, 64)).astype(np.float32)
+    _, _, dequantized = _quantized_head(head)
+    nodes = [helper.make_node("Gather", ["embedding", "input_ids"], ["rows"], name="node_embedding"),
+             helper.make_node("MatMul", ["rows", "head_t"], ["logits"], name="head")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["B", "T"])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", "T", VOCAB])],
+                              [numpy_helper.from_array(embedding, "embedding"),
+                               numpy_helper.from_array(np.ascontiguousarray(head.T), "head_t")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    ids = np.array([[0, 7, 47, 7]], dtype=np.int64)
+    assert quantize_head(model, BLOCK, accuracy_level=0)
+    assert [n.op_type for n in model.graph.node] == ["Gather", "MatMulNBits"]
+    assert {i.name for i in model.graph.initializer if i.data_type == TensorProto.FLOAT} == {"embedding",
+                                                                                            "head_t_scale"}
+    np.testing.assert_allclose(_logits(model, ids), embedding[ids] @ dequantized.T, rtol=1e-4, atol=1e-3)
