@@ -28,12 +28,12 @@ from cpuforge.models.runtime import (
 from cpuforge.tasks import stages
 from cpuforge.tasks.config.settings import load_config
 from cpuforge.tasks.engine.data import open_shards, token_byte_lengths
+from cpuforge.tasks.engine.measure import MeasuringProcess
 from cpuforge.tasks.engine.scoring import Score, alternating_speeds, score_text, score_tokens, score_with_choices
 from cpuforge.tasks.engine.training_run import run_training
 from cpuforge.tasks.infra.store import StageRecord
 from cpuforge.tasks.records.errors import DataError
 from cpuforge.tasks.release.register import decide
-from cpuforge.tasks.stages.evaluate import _measure_in_fresh_process
 from cpuforge.tasks.stages.quantize import GENAI, choose, confident_agreement, kquant_misfit
 from tests.conftest import build_stage
 from tests.test_pretrain import shards, spec_for  # noqa: F401  (module fixture)
@@ -624,10 +624,16 @@ def test_evaluate_times_identical_variants_once_and_passes_on_the_measuring_proc
     twin = tmp_path / "pruned"  # the same computation as the recovered model: same format, shapes and size
     shutil.copytree(trained.path("model"), twin)
     lines: list[str] = []
-    speeds = _measure_in_fresh_process(
-        "speeds", lines.append, speeds=True, model_paths={"pruned": str(twin), "recovered": str(trained.path("model")),
-                                                          "onnx-fp32": str(exported[0].path("onnx"))},
-        batch_sizes=[1], decode_tokens=4, threads=1, rounds=5, min_rounds=2, seconds=1e-6)
+    with MeasuringProcess() as measurer:
+        # a variant that cannot be measured fails alone, with its own error, and the next one is measured
+        with pytest.raises(RuntimeError, match=r"measuring variant broken failed \(exit 1\):(.|\n)*no-such-model"):
+            measurer.measure("broken", lines.append, model_path=str(tmp_path / "no-such-model"),
+                             tokenize_dir=str(tmp_path), max_tokens=64, batch_sizes=[1], prompts=[],
+                             max_new_tokens=1, threads=1, seed=0)
+        speeds = measurer.measure(
+            "speeds", lines.append, speeds=True, model_paths={"pruned": str(twin), "recovered": str(trained.path("model")),
+                                                              "onnx-fp32": str(exported[0].path("onnx"))},
+            batch_sizes=[1], decode_tokens=4, threads=1, rounds=5, min_rounds=2, seconds=1e-6)
     assert speeds["pruned"]["timed_as"] == "recovered"
     assert speeds["pruned"]["decode_tok_s"] == speeds["recovered"]["decode_tok_s"] > 0
     assert "timed_as" not in speeds["recovered"] and "timed_as" not in speeds["onnx-fp32"]

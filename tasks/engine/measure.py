@@ -1,37 +1,131 @@
-"""`python -m cpuforge.tasks.engine.measure ARGS.json RESULT.json`: measure one model variant in a process of its own
-(or, with ``"speeds": true`` in ARGS, time every variant in alternation, see scoring.measure_speeds; with
-``"gguf": true``, a GGUF file in llama.cpp, see llama_cpp_measure).
+"""Measure model variants, each in a process of its own.
 
-A fresh interpreter (not a multiprocessing child, which would inherit the parent's sys.path,
-polluted by onnxruntime.quantization with a folder holding another package named `models`),
-so the peak RSS it reports belongs to this variant alone. Progress goes to stdout, one line at a time,
-each starting with PROGRESS.
+`python -m cpuforge.tasks.engine.measure --serve` imports what measuring needs once (torch, onnx, onnxruntime:
+about 3.5 s), then reads one request per stdin line (JSON: the ``args`` file, the ``result`` file and the child's
+``stderr`` file) and forks a child per request that measures one variant (scoring.measure_variant), times every
+variant in alternation (``"speeds": true`` in the args, scoring.measure_speeds) or measures a GGUF file in
+llama.cpp (``"gguf": true``, llama_cpp_measure). After each child the server writes DONE and its exit code.
+A forked child starts with the server's imports but its own allocator, and its peak RSS (VmHWM) starts again at
+the fork, so each figure still belongs to its variant alone; a tiny run's evaluate no longer pays the imports for
+each of its 8 measurements.
+
+A fresh interpreter started here, not a multiprocessing child, which would inherit the parent's sys.path,
+polluted by onnxruntime.quantization with a folder holding another package named `models`. Progress goes to
+stdout, one line at a time, each starting with PROGRESS. ``MeasuringProcess`` is the other end.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+import tempfile
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from cpuforge.models.fileio import atomic_write_json
 from cpuforge.tasks.engine.scoring import measure_speeds, measure_variant
 
 PROGRESS = "cpuforge-progress: "  # stdout lines the parent passes on to the person waiting
+DONE = "cpuforge-measured: "  # the server's line after each child, with its exit code
 
 
 def _progress(line: str) -> None:
     print(PROGRESS + line, flush=True)
 
 
-def main(args_path: str, result_path: str) -> None:
+def measure(args_path: str, result_path: str) -> None:
     kwargs = json.loads(Path(args_path).read_text())
     if kwargs.pop("gguf", False):  # a GGUF file in llama.cpp
-        from cpuforge.tasks.engine.llama_cpp_measure import measure_gguf as measure
+        from cpuforge.tasks.engine.llama_cpp_measure import measure_gguf as run
     else:
-        measure = measure_speeds if kwargs.pop("speeds", False) else measure_variant
-    atomic_write_json(Path(result_path), measure(**kwargs, progress=_progress))
+        run = measure_speeds if kwargs.pop("speeds", False) else measure_variant
+    atomic_write_json(Path(result_path), run(**kwargs, progress=_progress))
+
+
+def serve() -> None:
+    import onnxruntime  # noqa: F401  (imported once here, not in every child)
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:  # the child never returns into the loop
+            code = 1
+            try:
+                os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
+                measure(request["args"], request["result"])
+                code = 0
+            except BaseException:  # noqa: BLE001  (whatever it was, the parent reads it in the stderr file)
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(DONE + str(os.waitstatus_to_exitcode(status)), flush=True)
+
+
+class MeasuringProcess:
+    """The measuring server (``serve``), started on entry and stopped on exit; ``measure`` runs one request.
+    Stopping this process (Ctrl-C) stops the measurement too."""
+
+    def __enter__(self) -> MeasuringProcess:
+        self._tmp = tempfile.TemporaryDirectory(prefix="cpuforge-measure-")
+        self._folder = Path(self._tmp.name)
+        self._server_err = (self._folder / "server-stderr.txt").open("w+")
+        self._count = 0
+        self._proc = subprocess.Popen([sys.executable, "-m", __name__, "--serve"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=self._server_err, text=True)
+        return self
+
+    def measure(self, name: str, on_progress: Callable[[str], None], **kwargs: Any) -> Any:
+        """One variant's figures (``kwargs`` are the measuring function's); its progress lines go to on_progress
+        as they come. A failure raises RuntimeError with the end of the child's stderr."""
+        self._count += 1
+        args, result, errors = (self._folder / f"{self._count}-{part}" for part in ("args.json", "result.json",
+                                                                                    "stderr.txt"))
+        args.write_text(json.dumps(kwargs))
+        try:
+            self._proc.stdin.write(json.dumps({"args": str(args), "result": str(result), "stderr": str(errors)})
+                                   + "\n")  # type: ignore[union-attr]
+            self._proc.stdin.flush()  # type: ignore[union-attr]
+        except BrokenPipeError:
+            pass  # the server is gone: said below
+        code = None
+        for line in self._proc.stdout:  # type: ignore[union-attr]
+            if line.startswith(PROGRESS):
+                on_progress(line[len(PROGRESS):].strip())
+            elif line.startswith(DONE):
+                code = int(line[len(DONE):])
+                break
+        if code is None:
+            self._server_err.seek(0)
+            raise RuntimeError(f"measuring variant {name} failed: the measuring process ended "
+                               f"(exit {self._proc.wait()}):\n{self._server_err.read()[-3000:]}")
+        if code != 0:
+            text = errors.read_text(errors="replace") if errors.exists() else ""
+            raise RuntimeError(f"measuring variant {name} failed (exit {code}):\n{text[-3000:]}")
+        return json.loads(result.read_text())
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self._proc.stdin.close()  # type: ignore[union-attr]
+            self._proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        finally:
+            if self._proc.poll() is None:
+                self._proc.kill()
+                self._proc.wait()
+            self._server_err.close()
+            self._tmp.cleanup()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+    else:
+        measure(*sys.argv[1:3])

@@ -4,8 +4,9 @@ Variants: pretrained (PyTorch fp32), pruned, recovered (PyTorch fp32), onnx-fp32
 onnx-int8 (onnxruntime). For each: bits per byte and perplexity on the first
 ``eval.max_tokens`` val tokens, parameters, file size, prefill tokens/s at full context for
 each of ``eval.batch_sizes``, decode tokens/s with the KV cache, peak RSS and samples from
-the fixed prompts. Each variant is measured in a fresh process, one after the other, so its
-peak RSS is its own and no two measurements share the cores. Speeds are then timed in one more
+the fixed prompts. Each variant is measured in a process of its own, one after the other (forked from one
+measuring server that imports torch and onnxruntime once, tasks/engine/measure.py), so its peak RSS is its own and
+no two measurements share the cores. Speeds are then timed in one more
 process that holds every variant and visits them in turn, round after round (best of
 SPEED_ROUNDS, or with ``eval.speed_seconds`` as many from MIN_SPEED_ROUNDS up as fit), so machine
 noise cannot favour whichever variant happened to run in a quiet spell. Variants that run the same
@@ -18,11 +19,7 @@ metrics (``<variant>/<metric>``), a table and the files; in Prefect a table and 
 
 from __future__ import annotations
 
-import json
 import logging
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +35,7 @@ from cpuforge.tasks.config.settings import EvalConfig
 from cpuforge.tasks.engine.data import corpus_prompts, open_shards
 from cpuforge.tasks.engine.hardware import available_cores
 from cpuforge.tasks.engine.llama_cpp_measure import PASSES
-from cpuforge.tasks.engine.measure import PROGRESS
+from cpuforge.tasks.engine.measure import MeasuringProcess
 from cpuforge.tasks.infra import live, tracking
 from cpuforge.tasks.infra.stage import StageOutput, StageRun
 from cpuforge.tasks.infra.store import StageRecord
@@ -66,30 +63,6 @@ def variant_paths(inputs: dict[str, StageRecord]) -> dict[str, Path]:
     return paths
 
 
-def _measure_in_fresh_process(name: str, on_progress: Callable[[str], None], **kwargs: Any) -> Any:
-    """measure.py in a fresh interpreter; its progress lines go to on_progress as they come. Stopping this
-    process (Ctrl-C) stops the measurement too."""
-    with tempfile.TemporaryDirectory(prefix="cpuforge-measure-") as tmp:
-        args, result, errors = Path(tmp) / "args.json", Path(tmp) / "result.json", Path(tmp) / "stderr.txt"
-        args.write_text(json.dumps(kwargs))
-        with errors.open("w+") as err:
-            proc = subprocess.Popen([sys.executable, "-m", "cpuforge.tasks.engine.measure", str(args), str(result)],
-                                    stdout=subprocess.PIPE, stderr=err, text=True)
-            try:
-                for line in proc.stdout:  # type: ignore[union-attr]
-                    if line.startswith(PROGRESS):
-                        on_progress(line[len(PROGRESS):].strip())
-                code = proc.wait()
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-            if code != 0:
-                err.seek(0)
-                raise RuntimeError(f"measuring variant {name} failed (exit {code}):\n{err.read()[-3000:]}")
-        return json.loads(result.read_text())
-
-
 def gguf_paths(inputs: dict[str, StageRecord]) -> dict[str, Path]:
     """The gguf stage's quantized files, as variants measured in llama.cpp."""
     if "gguf" not in inputs:
@@ -109,13 +82,16 @@ def evaluate(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Path], out_
     after the rest where it is installed; where it is not, the report says so."""
     started = time.perf_counter()
     prompts = e.prompts or corpus_prompts(open_shards(Path(tokenized.output_dir), 0))
-    variants = measure_variants(e, tokenized, paths, prompts, report)
+    missing = llama_cpp_runtime.missing() if ggufs else None
+    with MeasuringProcess() as measurer:
+        variants = measure_variants(e, tokenized, paths, prompts, report, measurer)
+        if ggufs and not missing:
+            variants += measure_ggufs(e, tokenized, ggufs, prompts, measurer)
     llama_cpp_note = ""
-    if ggufs and (missing := llama_cpp_runtime.missing()):
+    if ggufs and missing:
         log.info("the GGUF files are not measured: %s", missing)
         llama_cpp_note = f"{', '.join(ggufs)} not measured: {missing}"
     elif ggufs:
-        variants += measure_ggufs(e, tokenized, ggufs, prompts)
         llama_cpp_note = (f"{', '.join(ggufs)} run in llama.cpp ({llama_cpp_runtime.version()}), each in a process "
                           f"of its own after the others: prefill at batch 1 only, each speed the best of {PASSES} passes")
     metrics = evaluate_metrics(variants, e.batch_sizes)
@@ -141,8 +117,8 @@ def evaluate(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Path], out_
 
 
 def measure_variants(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Path], prompts: list[str],
-                     report: live.Report) -> list[dict[str, Any]]:
-    """Each variant's quality, size and samples in a fresh process of its own, then the speeds of all of
+                     report: live.Report, measurer: MeasuringProcess) -> list[dict[str, Any]]:
+    """Each variant's quality, size and samples in a process of its own, then the speeds of all of
     them in one process, timed in alternation."""
     variants: list[dict[str, Any]] = []
     steps = len(paths) + 1
@@ -158,7 +134,7 @@ def measure_variants(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Pat
 
     for i, (name, path) in enumerate(paths.items()):
         report(i / steps, {"phase": f"measuring {name}", **scored()}, force=i == 0)
-        result = _measure_in_fresh_process(
+        result = measurer.measure(
             name, follow(name, i / steps), model_path=str(path), tokenize_dir=tokenized.output_dir,
             max_tokens=e.max_tokens, batch_sizes=e.batch_sizes, prompts=prompts, max_new_tokens=e.max_new_tokens,
             threads=available_cores(), seed=SAMPLE_SEED)
@@ -168,7 +144,7 @@ def measure_variants(e: EvalConfig, tokenized: StageRecord, paths: dict[str, Pat
     capped = e.speed_seconds is not None
     log.info("timing every variant in alternation: %s", f"{MIN_SPEED_ROUNDS}-{SPEED_ROUNDS} rounds within "
              f"eval.speed_seconds={e.speed_seconds:g}" if capped else f"{SPEED_ROUNDS} rounds")
-    speeds = _measure_in_fresh_process(
+    speeds = measurer.measure(
         "speeds", follow("speeds", len(paths) / steps), speeds=True,
         model_paths={name: str(path) for name, path in paths.items()}, batch_sizes=e.batch_sizes,
         decode_tokens=e.decode_tokens, threads=available_cores(), rounds=SPEED_ROUNDS,
@@ -186,12 +162,12 @@ def log_row(v: dict[str, Any], note: str = "") -> None:
              v["decode_tok_s"], v["peak_rss_mb"], note)
 
 
-def measure_ggufs(e: EvalConfig, tokenized: StageRecord, ggufs: dict[str, Path],
-                  prompts: list[str]) -> list[dict[str, Any]]:
-    """Each GGUF file in llama.cpp, in a fresh process of its own (tasks/engine/llama_cpp_measure.py)."""
+def measure_ggufs(e: EvalConfig, tokenized: StageRecord, ggufs: dict[str, Path], prompts: list[str],
+                  measurer: MeasuringProcess) -> list[dict[str, Any]]:
+    """Each GGUF file in llama.cpp, in a process of its own (tasks/engine/llama_cpp_measure.py)."""
     measured = []
     for name, path in ggufs.items():
-        result = _measure_in_fresh_process(
+        result = measurer.measure(
             name, lambda line, name=name: log.info("%s: %s", name, line), gguf=True, model_path=str(path),
             tokenize_dir=tokenized.output_dir, max_tokens=e.max_tokens, prompts=prompts,
             max_new_tokens=e.max_new_tokens, decode_tokens=e.decode_tokens, threads=available_cores(), seed=SAMPLE_SEED)
