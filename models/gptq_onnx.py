@@ -69,15 +69,21 @@ def head_weight(graph: onnx.GraphProto) -> tuple[onnx.NodeProto, np.ndarray, onn
 def int8_codes(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Round-to-nearest symmetric 8-bit codes (N x blocks, block_size; zero point 128) and scales (N x blocks, 1)
     of a (K, N) weight, each column in blocks of ``block_size`` rows (the last padded with zeros)."""
-    k_dim, n_dim = weight.shape
-    blocks = -(-k_dim // block_size)
-    padded = np.zeros((blocks * block_size, n_dim), np.float32)
-    padded[:k_dim] = weight
-    groups = padded.T.reshape(n_dim, blocks, block_size)
+    groups = column_blocks(weight.astype(np.float32), block_size)
     peak = np.abs(groups).max(axis=2, keepdims=True)
     scale = np.where(peak > 0, peak / 127, 1.0).astype(np.float32)
     codes = (np.clip(np.round(groups / scale), -127, 127) + 128).astype(np.uint8)
-    return codes.reshape(n_dim * blocks, block_size), scale.reshape(n_dim * blocks, 1)
+    return codes.reshape(-1, block_size), scale.reshape(-1, 1)
+
+
+def column_blocks(weight: np.ndarray, block_size: int) -> np.ndarray:
+    """A (K, N) weight as (N, blocks, block_size): each column in blocks of rows, the last padded with zeros
+    (MatMulNBits' layout)."""
+    k_dim, n_dim = weight.shape
+    blocks = -(-k_dim // block_size)
+    padded = np.zeros((blocks * block_size, n_dim), weight.dtype)
+    padded[:k_dim] = weight
+    return padded.T.reshape(n_dim, blocks, block_size)
 
 
 def tied_lookup(graph: onnx.GraphProto, table: str) -> tuple[list[onnx.NodeProto], str, str] | None:
@@ -171,11 +177,7 @@ def grid_codes(solved: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndar
     column, but not s: quantizing them again with a scale from their own range (onnxruntime's quant_tensor) lands
     on another grid when the solver's extremes were not hit, and rounds twice. For each block the largest s =
     peak / k (k = 1..8) that makes every value an integer multiple within [-8, 7] is exact."""
-    k_dim, n_dim = solved.shape
-    blocks = -(-k_dim // block_size)
-    padded = np.zeros((blocks * block_size, n_dim), np.float64)
-    padded[:k_dim] = solved
-    groups = padded.T.reshape(n_dim, blocks, block_size)
+    groups = column_blocks(solved.astype(np.float64), block_size)
     peak = np.abs(groups).max(axis=2, keepdims=True)
     scale = np.where(peak > 0, peak / 7, 1.0)  # the solver's usual step: where nothing fits exactly (not seen)
     found = peak == 0
@@ -188,7 +190,7 @@ def grid_codes(solved: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndar
         scale = np.where(take, step, scale)
         found |= take
     codes = np.clip(np.round(groups / scale) + 8, 0, 15).astype(np.uint8)
-    return codes.reshape(n_dim * blocks, block_size), scale.reshape(n_dim * blocks, 1).astype(np.float32)
+    return codes.reshape(-1, block_size), scale.reshape(-1, 1).astype(np.float32)
 
 
 def quantize_gptq(proto: onnx.ModelProto, batches: Iterable[dict[str, np.ndarray]], block_size: int = 32,
