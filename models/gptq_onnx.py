@@ -204,10 +204,10 @@ def quantize_gptq(proto: onnx.ModelProto, batches: Iterable[dict[str, np.ndarray
 
     graph = proto.graph
     targets = quantizable_matmuls(graph)
-    if not targets:
-        return 0
-    with tempfile.TemporaryDirectory(prefix="cpuforge-gptq-", dir=work_dir) as work:
-        hessians = gather_hessians(proto, sorted({n.input[0] for n in targets}), batches, Path(work))
+    hessians = {}
+    if targets:
+        with tempfile.TemporaryDirectory(prefix="cpuforge-gptq-", dir=work_dir) as work:
+            hessians = gather_hessians(proto, sorted({n.input[0] for n in targets}), batches, Path(work))
     inits = {t.name: t for t in graph.initializer}
     for node in targets:
         weight = numpy_helper.to_array(inits[node.input[1]]).astype(np.float32)

@@ -4,6 +4,7 @@ files and text."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import shutil
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import onnx
+import psutil
 import pytest
 import torch
 
@@ -635,6 +637,21 @@ def test_evaluate_times_identical_variants_once_and_passes_on_the_measuring_proc
                                                               "onnx-fp32": str(exported[0].path("onnx"))},
             batch_sizes=[1], decode_tokens=4, threads=1, rounds=5, min_rounds=2, seconds=1e-6)
     assert speeds["pruned"]["timed_as"] == "recovered"
+    # a run stopped mid-measurement (here: its progress callback raises) leaves no measuring process behind
+    left: list[psutil.Process] = []
+
+    def stopped(line: str) -> None:
+        left.extend(psutil.Process(measurer.pid).children())  # the forked child at work
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt), MeasuringProcess() as measurer:
+        left.append(psutil.Process(measurer.pid))
+        measurer.measure("speeds", stopped, speeds=True, model_paths={"onnx-fp32": str(exported[0].path("onnx"))},
+                         batch_sizes=[1], decode_tokens=4, threads=1, rounds=1000, min_rounds=1000, seconds=None)
+    assert len(left) == 2
+    for process in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            assert process.wait(timeout=5) is not None or process.status() == psutil.STATUS_ZOMBIE
     assert speeds["pruned"]["decode_tok_s"] == speeds["recovered"]["decode_tok_s"] > 0
     assert "timed_as" not in speeds["recovered"] and "timed_as" not in speeds["onnx-fp32"]
     assert all(v["speed_rounds"] == 2 for v in speeds.values())  # the cap stopped it at the minimum

@@ -91,20 +91,30 @@ def test_only_a_tied_model_shares_its_table(tmp_path, config, tied):
     assert ties_embeddings(tmp_path) is tied
 
 
+@pytest.mark.parametrize("layout", ["rows", "columns"])
 @pytest.mark.parametrize("width", [64, 40])
-def test_gptq_head_is_int8_and_the_exported_lookup_reads_it(width):
-    """The exported graph's tied layout (Gather of the table's rows, the head reading its Transpose): the head
-    becomes 8-bit MatMulNBits, the lookup gathers its blocks, and no fp32 table is left."""
+def test_gptq_head_is_int8_and_the_exported_lookup_reads_it(width, layout):
+    """The tied layouts quantize meets: the exporter's (a Gather of the table's rows, the head reading its
+    Transpose) and the one after onnxruntime's pre-processing (the head reading the folded (width, vocab) copy,
+    the lookup gathering its columns and transposing them to rows). The head becomes 8-bit MatMulNBits, the
+    lookup gathers its blocks, and no fp32 table is left."""
     from cpuforge.models.gptq_onnx import quantize_head
 
     table = np.random.default_rng(width).normal(size=(VOCAB, width)).astype(np.float32)
     _, _, dequantized = _quantized_head(table)
-    nodes = [helper.make_node("Gather", ["table", "input_ids"], ["rows"], name="node_embedding"),
-             helper.make_node("Transpose", ["table"], ["table_t"], perm=[1, 0]),
-             helper.make_node("MatMul", ["rows", "table_t"], ["logits"], name="head")]
+    if layout == "rows":
+        nodes = [helper.make_node("Gather", ["table", "input_ids"], ["rows"], name="node_embedding"),
+                 helper.make_node("Transpose", ["table"], ["table_t"], perm=[1, 0]),
+                 helper.make_node("MatMul", ["rows", "table_t"], ["logits"], name="head")]
+        stored = numpy_helper.from_array(table, "table")
+    else:
+        nodes = [helper.make_node("Gather", ["table_t", "input_ids"], ["columns"], name="node_embedding", axis=1),
+                 helper.make_node("Transpose", ["columns"], ["rows"], perm=[1, 2, 0]),
+                 helper.make_node("MatMul", ["rows", "table_t"], ["logits"], name="head")]
+        stored = numpy_helper.from_array(np.ascontiguousarray(table.T), "table_t")
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["B", "T"])],
                               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["B", "T", VOCAB])],
-                              [numpy_helper.from_array(table, "table")])
+                              [stored])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
     ids = np.array([[0, 7, 47, 7]], dtype=np.int64)
     assert quantize_head(model, BLOCK, accuracy_level=0)

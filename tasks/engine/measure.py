@@ -6,8 +6,8 @@ about 3.5 s), then reads one request per stdin line (JSON: the ``args`` file, th
 variant in alternation (``"speeds": true`` in the args, scoring.measure_speeds) or measures a GGUF file in
 llama.cpp (``"gguf": true``, llama_cpp_measure). After each child the server writes DONE and its exit code.
 A forked child starts with the server's imports but its own allocator, and its peak RSS (VmHWM) starts again at
-the fork, so each figure still belongs to its variant alone; a tiny run's evaluate no longer pays the imports for
-each of its 8 measurements.
+the fork (from the server's pages it maps, the imports' memory), so each figure belongs to its variant; a tiny
+run's evaluate no longer pays the imports for each of its measurements.
 
 A fresh interpreter started here, not a multiprocessing child, which would inherit the parent's sys.path,
 polluted by onnxruntime.quantization with a folder holding another package named `models`. Progress goes to
@@ -16,6 +16,7 @@ stdout, one line at a time, each starting with PROGRESS. ``MeasuringProcess`` is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from cpuforge.models.fileio import atomic_write_json
+from cpuforge.tasks.engine.processes import stop_process_group
 from cpuforge.tasks.engine.scoring import measure_speeds, measure_variant
 
 PROGRESS = "cpuforge-progress: "  # stdout lines the parent passes on to the person waiting
@@ -47,6 +49,7 @@ def measure(args_path: str, result_path: str) -> None:
 
 
 def serve() -> None:
+    # Imports only: a server that ran torch or onnxruntime work would start thread pools a forked child cannot use
     import onnxruntime  # noqa: F401  (imported once here, not in every child)
 
     for line in sys.stdin:
@@ -65,12 +68,13 @@ def serve() -> None:
                 sys.stderr.flush()
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
-        print(DONE + str(os.waitstatus_to_exitcode(status)), flush=True)
+        print("\n" + DONE + str(os.waitstatus_to_exitcode(status)), flush=True)  # on a line of its own
 
 
 class MeasuringProcess:
     """The measuring server (``serve``), started on entry and stopped on exit; ``measure`` runs one request.
-    Stopping this process (Ctrl-C) stops the measurement too."""
+    The server and its child run in a session of their own: leaving the block with an exception (Ctrl-C, a
+    stopped run's SIGTERM, a failed measurement) stops both at once, not after the measurement."""
 
     def __enter__(self) -> MeasuringProcess:
         self._tmp = tempfile.TemporaryDirectory(prefix="cpuforge-measure-")
@@ -78,8 +82,13 @@ class MeasuringProcess:
         self._server_err = (self._folder / "server-stderr.txt").open("w+")
         self._count = 0
         self._proc = subprocess.Popen([sys.executable, "-m", __name__, "--serve"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=self._server_err, text=True)
+                                      stdout=subprocess.PIPE, stderr=self._server_err, text=True,
+                                      start_new_session=True)
         return self
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
 
     def measure(self, name: str, on_progress: Callable[[str], None], **kwargs: Any) -> Any:
         """One variant's figures (``kwargs`` are the measuring function's); its progress lines go to on_progress
@@ -110,17 +119,19 @@ class MeasuringProcess:
             raise RuntimeError(f"measuring variant {name} failed (exit {code}):\n{text[-3000:]}")
         return json.loads(result.read_text())
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         try:
-            self._proc.stdin.close()  # type: ignore[union-attr]
-            self._proc.wait(timeout=30)
+            if exc_type is None:  # idle between requests: it ends when its input does
+                self._proc.stdin.close()  # type: ignore[union-attr]
+                self._proc.wait(timeout=30)
         except (OSError, subprocess.TimeoutExpired):
             pass
         finally:
-            if self._proc.poll() is None:
-                self._proc.kill()
-                self._proc.wait()
-            self._server_err.close()
+            if self._proc.poll() is None or exc_type is not None:  # the server, and a child it may be waiting on
+                stop_process_group(self._proc, grace_s=5.0)
+            for stream in (self._proc.stdin, self._proc.stdout, self._server_err):
+                with contextlib.suppress(OSError):
+                    stream.close()  # type: ignore[union-attr]
             self._tmp.cleanup()
 
 
