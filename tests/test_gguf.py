@@ -292,11 +292,13 @@ def test_evaluate_measures_the_gguf_files_in_llama_cpp(stage_inputs, gguf_files)
     scoring the val text as cpuforge's own model does it (within 1% for Q8_0), with speeds, size and samples."""
     pytest.importorskip("llama_cpp", reason="llama.cpp is not installed")
     from cpuforge.tasks.engine.scoring import score_tokens
+    from cpuforge.tasks.engine.measure import MeasuringProcess
     from cpuforge.tasks.stages.evaluate import measure_ggufs
 
     tokenized, recovered = stage_inputs
     e = load_config("tiny", overrides=["eval.max_tokens=512", "eval.max_new_tokens=8", "eval.decode_tokens=8"]).eval
-    measured = measure_ggufs(e, tokenized, {"gguf-q8_0": gguf_files["gguf_q8_0"]}, ["def "])
+    with MeasuringProcess() as measurer:
+        measured = measure_ggufs(e, tokenized, {"gguf-q8_0": gguf_files["gguf_q8_0"]}, ["def "], measurer)
     assert [m["variant"] for m in measured] == ["gguf-q8_0"]
     (q8,) = measured
     lm = load_language_model(recovered.path("model"))
