@@ -291,8 +291,8 @@ def test_evaluate_measures_the_gguf_files_in_llama_cpp(stage_inputs, gguf_files)
     """What evaluate adds to its table where llama.cpp is installed: each file measured in a process of its own,
     scoring the val text as cpuforge's own model does it (within 1% for Q8_0), with speeds, size and samples."""
     pytest.importorskip("llama_cpp", reason="llama.cpp is not installed")
-    from cpuforge.tasks.engine.scoring import score_tokens
     from cpuforge.tasks.engine.measure import MeasuringProcess
+    from cpuforge.tasks.engine.scoring import score_tokens
     from cpuforge.tasks.stages.evaluate import measure_ggufs
 
     tokenized, recovered = stage_inputs

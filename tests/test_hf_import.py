@@ -1,19 +1,16 @@
 """Compressing a transformers Llama checkpoint made elsewhere: `cpuforge compress --pretrained hf:DIR`
-through the CLI, as a user runs it, on a model this test builds, trains a few steps and saves."""
+through the CLI's entry point, as a user runs it, on a model this test builds, trains a few steps and saves."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from cpuforge.flows.cli import main
 from cpuforge.tasks import stages as registry
 from tests.conftest import make_text
 from tests.test_hf_format import assert_transformers_matches
@@ -21,7 +18,6 @@ from tests.test_hf_format import assert_transformers_matches
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 SPECIAL = ["<unk>", "<s>", "</s>"]  # the model's eos, "</s>", is not cpuforge's default end-of-document token
 
 
@@ -62,20 +58,13 @@ def save_hf_llama(folder: Path, corpus: Path, steps: int = 30, **config: object)
     return folder
 
 
-def compress_cli(workdir: Path, source: Path, corpus: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": tempfile.mkdtemp(prefix="cpuforge-prefect-")}
-    return subprocess.run(
-        [sys.executable, "-m", "cpuforge.flows.cli", "compress", "--pretrained", f"hf:{source}", "--profile", "tiny",
-         "--workdir", str(workdir), "--summary", str(workdir / "summary.json"), "--set", f"data.source={corpus}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-
-
-def test_compress_a_transformers_llama_end_to_end(tmp_path):
+def test_compress_a_transformers_llama_end_to_end(tmp_path, prefect_server, capsys):
     corpus = make_corpus(tmp_path / "corpus")
     source = save_hf_llama(tmp_path / "hf-llama", corpus)
     workdir = tmp_path / "work"
-    proc = compress_cli(workdir, source, corpus)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code = main(["compress", "--pretrained", f"hf:{source}", "--profile", "tiny", "--workdir", str(workdir),
+                 "--summary", str(workdir / "summary.json"), "--set", f"data.source={corpus}"])
+    assert code == 0, capsys.readouterr().err[-3000:]
     summary = json.loads((workdir / "summary.json").read_text())
     stages = summary["stages"]
     assert summary["flow"] == "compress" and summary["status"] == "completed"
@@ -105,19 +94,16 @@ def test_compress_a_transformers_llama_end_to_end(tmp_path):
         assert "bits per byte" in card and f"`{corpus}`" in card and "**prune**" in card
 
 
-def test_continue_pretraining_a_transformers_llama(tmp_path):
+def test_continue_pretraining_a_transformers_llama(tmp_path, prefect_server, capsys):
     """`cpuforge run --set train.init_from=hf:DIR`: the checkpoint's shape and tokenizer, its context cut to the
     profile's, trained on from its weights; `--stop-after pretrain` stops there and registers nothing."""
     corpus = make_corpus(tmp_path / "corpus")
     source = save_hf_llama(tmp_path / "hf-llama", corpus)
     workdir = tmp_path / "work"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": tempfile.mkdtemp(prefix="cpuforge-prefect-")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "cpuforge.flows.cli", "run", "--profile", "tiny", "--workdir", str(workdir),
-         "--summary", str(workdir / "summary.json"), "--set", f"data.source={corpus}",
-         "--set", f"train.init_from=hf:{source}", "--set", "train.max_steps=5", "--stop-after", "pretrain"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code = main(["run", "--profile", "tiny", "--workdir", str(workdir), "--summary", str(workdir / "summary.json"),
+                 "--set", f"data.source={corpus}", "--set", f"train.init_from=hf:{source}", "--set", "train.max_steps=5",
+                 "--stop-after", "pretrain"])
+    assert code == 0, capsys.readouterr().err[-3000:]
     summary = json.loads((workdir / "summary.json").read_text())
     assert list(summary["stages"]) == ["tokenize", "pretrain"] and summary["stopped_after"] == "pretrain"
     assert summary["pretrained_from"]["origin"] == f"hf:{source}" and "registry" not in summary
@@ -132,8 +118,6 @@ def test_continue_pretraining_a_transformers_llama(tmp_path):
 
 
 def test_an_unsupported_checkpoint_fails_with_one_line(tmp_path, capsys):
-    from cpuforge.flows.cli import main
-
     corpus = make_corpus(tmp_path / "corpus")
     source = save_hf_llama(tmp_path / "biased", corpus, steps=0, attention_bias=True)
 

@@ -51,8 +51,8 @@ class Attempt:
 
 
 def start_run(workdir: Path, overrides: list[str] = (), prefect_home: Path | None = None,
-              env: dict[str, str] | None = None, log_name: str | None = None) -> Attempt:
-    """`cpuforge run --profile tiny` in a process of its own, marked so its descendants can be found."""
+              env: dict[str, str] | None = None, log_name: str | None = None, args: list[str] = ()) -> Attempt:
+    """`cpuforge run --profile tiny [ARGS]` in a process of its own, marked so its descendants can be found."""
     marker = uuid.uuid4().hex
     STARTED.add(marker)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -61,7 +61,7 @@ def start_run(workdir: Path, overrides: list[str] = (), prefect_home: Path | Non
     if prefect_home is not None:
         run_env["PREFECT_HOME"] = str(prefect_home)
     sets = [arg for o in [*DETERMINISTIC, *overrides] for arg in ("--set", o)]
-    cmd = [sys.executable, "-m", "cpuforge.flows.cli", "run", "--profile", "tiny", "--workdir", str(workdir), *sets]
+    cmd = [sys.executable, "-m", "cpuforge.flows.cli", "run", "--profile", "tiny", "--workdir", str(workdir), *sets, *args]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)

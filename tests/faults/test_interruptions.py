@@ -28,8 +28,10 @@ pytestmark = pytest.mark.slow
 RUN_TIMEOUT = 600  # a safety net for a hung run, not a speed requirement
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def prefect_home(tmp_path_factory):
+    """One Prefect home for the module's runs: each run still starts (and must stop) its own temporary server,
+    and the database is migrated once rather than once per test."""
     return tmp_path_factory.mktemp("prefect-home")
 
 
@@ -45,7 +47,7 @@ def test_a_run_killed_mid_training_leaves_nothing_behind_and_the_rerun_resumes(t
     assert not orphans, f"processes left behind by the killed run: {[p.cmdline() for p in orphans]}"
     assert {r["status"] for r in mlflow_runs(workdir) if r["name"] in ("pretrain",)} == {"RUNNING"}
 
-    rerun = start_run(workdir, prefect_home=prefect_home)
+    rerun = start_run(workdir, prefect_home=prefect_home, args=["--stop-after", "pretrain"])  # the stage it killed
     assert rerun.wait(RUN_TIMEOUT) == 0, rerun.output()[-3000:]
     output = rerun.output()
     assert "waiting" not in output  # the killed run's training slot was not kept
