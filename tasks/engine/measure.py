@@ -1,6 +1,6 @@
 """Measure model variants, each in a process of its own.
 
-`python -m cpuforge.tasks.engine.measure --serve` imports what measuring needs once (torch, onnx, onnxruntime:
+`python -m cpuforge.tasks.engine.measure --serve PARENT_PID` imports what measuring needs once (torch, onnx, onnxruntime:
 about 3.5 s), then reads one request per stdin line (JSON: the ``args`` file, the ``result`` file and the child's
 ``stderr`` file) and forks a child per request that measures one variant (scoring.measure_variant), times every
 variant in alternation (``"speeds": true`` in the args, scoring.measure_speeds) or measures a GGUF file in
@@ -48,16 +48,34 @@ def measure(args_path: str, result_path: str) -> None:
     atomic_write_json(Path(result_path), run(**kwargs, progress=_progress))
 
 
-def serve() -> None:
+def die_with_parent(parent: int) -> None:
+    """On Linux, SIGKILL this process when ``parent`` (the process that started it) dies. A run killed with
+    SIGKILL cannot stop its measuring server, and a child busy loading or scoring a large model would go on
+    until its next progress line (up to 30 s apart) found the pipe closed."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the request was made
+        os._exit(1)
+
+
+def serve(parent: int) -> None:
+    die_with_parent(parent)
     # Imports only: a server that ran torch or onnxruntime work would start thread pools a forked child cannot use
     import onnxruntime  # noqa: F401  (imported once here, not in every child)
 
+    server = os.getpid()
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:  # the child never returns into the loop
             code = 1
             try:
+                die_with_parent(server)
                 os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
                 measure(request["args"], request["result"])
                 code = 0
@@ -74,14 +92,15 @@ def serve() -> None:
 class MeasuringProcess:
     """The measuring server (``serve``), started on entry and stopped on exit; ``measure`` runs one request.
     The server and its child run in a session of their own: leaving the block with an exception (Ctrl-C, a
-    stopped run's SIGTERM, a failed measurement) stops both at once, not after the measurement."""
+    stopped run's SIGTERM, a failed measurement) stops both at once, not after the measurement. On Linux both
+    also die with the process that started them, which covers a run killed with SIGKILL."""
 
     def __enter__(self) -> MeasuringProcess:
         self._tmp = tempfile.TemporaryDirectory(prefix="cpuforge-measure-")
         self._folder = Path(self._tmp.name)
         self._server_err = (self._folder / "server-stderr.txt").open("w+")
         self._count = 0
-        self._proc = subprocess.Popen([sys.executable, "-m", __name__, "--serve"], stdin=subprocess.PIPE,
+        self._proc = subprocess.Popen([sys.executable, "-m", __name__, "--serve", str(os.getpid())], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=self._server_err, text=True,
                                       start_new_session=True)
         return self
@@ -136,7 +155,7 @@ class MeasuringProcess:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--serve"]:
-        serve()
+    if sys.argv[1:2] == ["--serve"]:
+        serve(int(sys.argv[2]))
     else:
         measure(*sys.argv[1:3])
