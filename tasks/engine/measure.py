@@ -59,7 +59,7 @@ def die_with_parent(parent: int) -> None:
 
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent:  # it died before the request was made
+    if os.getppid() != parent:  # the parent died before the signal was asked for
         os._exit(1)
 
 
