@@ -101,8 +101,8 @@ def test_continue_pretraining_a_transformers_llama(tmp_path, prefect_server, cap
     source = save_hf_llama(tmp_path / "hf-llama", corpus)
     workdir = tmp_path / "work"
     code = main(["run", "--profile", "tiny", "--workdir", str(workdir), "--summary", str(workdir / "summary.json"),
-                 "--set", f"data.source={corpus}", "--set", f"train.init_from=hf:{source}", "--set", "train.max_steps=5",
-                 "--stop-after", "pretrain"])
+                 "--set", f"data.source={corpus}", "--set", f"train.init_from=hf:{source}",
+                 "--set", "train.max_steps=5", "--stop-after", "pretrain"])
     assert code == 0, capsys.readouterr().err[-3000:]
     summary = json.loads((workdir / "summary.json").read_text())
     assert list(summary["stages"]) == ["tokenize", "pretrain"] and summary["stopped_after"] == "pretrain"

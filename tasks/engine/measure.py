@@ -1,8 +1,8 @@
 """Measure model variants, each in a process of its own.
 
-`python -m cpuforge.tasks.engine.measure --serve PARENT_PID` imports what measuring needs once (torch, onnx, onnxruntime:
-about 3.5 s), then reads one request per stdin line (JSON: the ``args`` file, the ``result`` file and the child's
-``stderr`` file) and forks a child per request that measures one variant (scoring.measure_variant), times every
+`python -m cpuforge.tasks.engine.measure --serve PARENT_PID` imports what measuring needs once (torch, onnx,
+onnxruntime: about 3.5 s), then reads one request per stdin line (JSON: the ``args`` file, the ``result`` file and
+the child's ``stderr`` file) and forks a child per request that measures one variant (scoring.measure_variant), times every
 variant in alternation (``"speeds": true`` in the args, scoring.measure_speeds) or measures a GGUF file in
 llama.cpp (``"gguf": true``, llama_cpp_measure). After each child the server writes DONE and its exit code.
 A forked child starts with the server's imports but its own allocator, and its peak RSS (VmHWM) starts again at
@@ -100,9 +100,9 @@ class MeasuringProcess:
         self._folder = Path(self._tmp.name)
         self._server_err = (self._folder / "server-stderr.txt").open("w+")
         self._count = 0
-        self._proc = subprocess.Popen([sys.executable, "-m", __name__, "--serve", str(os.getpid())], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=self._server_err, text=True,
-                                      start_new_session=True)
+        self._proc = subprocess.Popen([sys.executable, "-m", __name__, "--serve", str(os.getpid())],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._server_err,
+                                      text=True, start_new_session=True)
         return self
 
     @property

@@ -61,7 +61,8 @@ def start_run(workdir: Path, overrides: list[str] = (), prefect_home: Path | Non
     if prefect_home is not None:
         run_env["PREFECT_HOME"] = str(prefect_home)
     sets = [arg for o in [*DETERMINISTIC, *overrides] for arg in ("--set", o)]
-    cmd = [sys.executable, "-m", "cpuforge.flows.cli", "run", "--profile", "tiny", "--workdir", str(workdir), *sets, *args]
+    cmd = [sys.executable, "-m", "cpuforge.flows.cli", "run", "--profile", "tiny", "--workdir", str(workdir), *sets,
+           *args]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=run_env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
