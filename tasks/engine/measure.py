@@ -2,8 +2,8 @@
 
 `python -m cpuforge.tasks.engine.measure --serve PARENT_PID` imports what measuring needs once (torch, onnx,
 onnxruntime: about 3.5 s), then reads one request per stdin line (JSON: the ``args`` file, the ``result`` file and
-the child's ``stderr`` file) and forks a child per request that measures one variant (scoring.measure_variant), times every
-variant in alternation (``"speeds": true`` in the args, scoring.measure_speeds) or measures a GGUF file in
+the child's ``stderr`` file) and forks a child per request that measures one variant (scoring.measure_variant),
+times every variant in alternation (``"speeds": true`` in the args, scoring.measure_speeds) or measures a GGUF file in
 llama.cpp (``"gguf": true``, llama_cpp_measure). After each child the server writes DONE and its exit code.
 A forked child starts with the server's imports but its own allocator, and its peak RSS (VmHWM) starts again at
 the fork (from the server's pages it maps, the imports' memory), so each figure belongs to its variant; a tiny
