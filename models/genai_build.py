@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from cpuforge.models import onnx_files
-from cpuforge.models.onnx_export import set_metadata
+from cpuforge.models.onnx_export import add_logits_to_keep, set_metadata
 
 log = logging.getLogger("cpuforge.genai_build")
 
@@ -78,6 +78,7 @@ def build_decoder(hf_folder: Path, target: Path, precision: str, metadata: dict[
         if precision == "int8" and quantize_lm_head and ties_embeddings(hf_folder) and not share_int8_embedding(proto):
             log.warning("the builder's int8 graph of %s keeps its tied embedding as a separate fp32 table: its "
                         "lookup or LM head is not laid out as share_int8_embedding expects", hf_folder)
+        add_logits_to_keep(proto.graph)
         set_metadata(proto, metadata)
         onnx_files.save(proto, target, check=False)  # the builder's contrib ops are not in onnx's checker
         config = json.loads((out / "genai_config.json").read_text())

@@ -26,10 +26,10 @@ from onnx.external_data_helper import load_external_data_for_model, uses_externa
 
 from cpuforge.models import onnx_files
 from cpuforge.models.genai_build import gather_head_rows
+from cpuforge.models.onnx_export import LOGITS
 
 BITS = 4
 HEAD_BITS = 8
-LOGITS = "logits"  # the graph output the LM head writes (models/onnx_export)
 GPTQ_BLOCK = 128  # columns the solver updates at once (the GPTQ paper's lazy batch), not the quantization block
 PERCENT_DAMP = 0.01  # of the mean Hessian diagonal added to it, so the inverse exists
 

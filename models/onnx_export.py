@@ -12,6 +12,10 @@ a padding slot is never attended to, and the caller gives each row its own posit
 
 The graph also carries, as ONNX metadata, the model config and the tokenizer, so one
 ``.onnx`` file is everything ``cpuforge generate`` needs.
+
+An optional input ``logits_to_keep`` (int64 [1]; transformers' name and meaning) limits the LM head
+to the last that many positions; unfed it is 0, every position, which is what scoring needs and what
+ONNX Runtime GenAI gets. Generation feeds 1 (``add_logits_to_keep``).
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ META_EOD = "cpuforge.eod_id"
 PAST_KEY, PAST_VALUE = "past_key_values.%d.key", "past_key_values.%d.value"
 PRESENT_KEY, PRESENT_VALUE = "present.%d.key", "present.%d.value"
 INPUTS = ("input_ids", "attention_mask", "position_ids")
+LOGITS = "logits"
+LOGITS_TO_KEEP = "logits_to_keep"
 
 
 def past_names(n_layer: int) -> list[str]:
@@ -133,8 +139,35 @@ def export_decoder(model: Llama, path: Path, opset: int, metadata: dict[str, str
     _name_total_length(proto)
     if cfg.tie_embeddings:
         share_tied_embedding(proto)
+    add_logits_to_keep(proto.graph)
     set_metadata(proto, {META_CONFIG: json.dumps(cfg.to_dict()), **(metadata or {})})
     onnx_files.save(proto, path)
+
+
+def add_logits_to_keep(graph: onnx.GraphProto) -> bool:
+    """Give the graph the optional input ``logits_to_keep``: the LM head reads only that many of the last
+    positions (0, its default, keeps all). A prompt's prefill needs the last position's logits alone; the
+    head's other rows are a quarter of a 135M model's prefill arithmetic at 256 tokens (a 49,152-token
+    vocabulary) and a 50 MB output. Returns whether the graph changed (not when the logits come from
+    anything but a MatMul or MatMulNBits head, or the input is there already)."""
+    head = next((n for n in graph.node if LOGITS in n.output), None)
+    if head is None or head.op_type not in ("MatMul", "MatMulNBits") or \
+            LOGITS_TO_KEEP in {i.name for i in graph.input}:
+        return False
+    # An initializer that is also a graph input is a default the caller may override (ONNX IR >= 4).
+    graph.initializer.extend([numpy_helper.from_array(np.zeros(1, np.int64), LOGITS_TO_KEEP),
+                              numpy_helper.from_array(np.array([np.iinfo(np.int64).max]), "logits_to_keep/end"),
+                              numpy_helper.from_array(np.ones(1, np.int64), "logits_to_keep/axis")])
+    graph.input.append(helper.make_tensor_value_info(LOGITS_TO_KEEP, onnx.TensorProto.INT64, [1]))
+    kept = head.input[0] + "/kept"
+    nodes = [helper.make_node("Neg", [LOGITS_TO_KEEP], ["logits_to_keep/start"], name="logits_to_keep/Neg"),
+             helper.make_node("Slice", [head.input[0], "logits_to_keep/start", "logits_to_keep/end",
+                                        "logits_to_keep/axis"], [kept], name="logits_to_keep/Slice")]
+    at = list(graph.node).index(head)
+    for node in reversed(nodes):
+        graph.node.insert(at, node)
+    head.input[0] = kept
+    return True
 
 
 def _name_total_length(proto: onnx.ModelProto) -> None:

@@ -3,7 +3,8 @@
 A cpuforge model folder (``model.safetensors`` + ``config.json`` + ``tokenizer.json``) runs
 in PyTorch; an ``.onnx`` decoder (see models/onnx_export.py), alone or in its ONNX Runtime
 GenAI folder (models/onnx_layout.py), runs in onnxruntime with its KV cache. Both offer the
-same three calls: ``logits`` for scoring and prefill, ``prefill`` and ``step`` for
+same three calls: ``logits`` (every position's) for scoring, ``prefill`` (a prompt's last
+position's, as a generation and llama.cpp's prompt processing need) and ``step`` for
 generation. ``generate`` samples from either. The ONNX decoder also runs left-padded
 batches (``OnnxDecoder.forward`` with a mask; ``left_pad`` builds one).
 """
@@ -26,6 +27,7 @@ from cpuforge.models.config import LlamaConfig, ModelConfigError
 from cpuforge.models.genai_build import shares_kv_buffer
 from cpuforge.models.llama import Llama, config_param_count
 from cpuforge.models.onnx_export import (
+    LOGITS_TO_KEEP,
     META_CONFIG,
     META_EOD,
     META_TOKENIZER,
@@ -38,6 +40,7 @@ from cpuforge.models.onnx_layout import GENAI_CONFIG, decoder_file
 TOKENIZER = "tokenizer.json"
 # Preferred when a folder holds several ONNX files: the deployable one first.
 ONNX_NAMES = ("model.int8.onnx", "model.onnx")
+KEEP_LAST = np.ones(1, dtype=np.int64)  # logits_to_keep: the last position's logits alone
 
 
 class ModelLoadError(ValueError):
@@ -64,8 +67,8 @@ class TorchDecoder:
 
     @torch.inference_mode()
     def prefill(self, ids: np.ndarray) -> tuple[np.ndarray, Any]:
-        logits, cache = self.model(torch.from_numpy(np.asarray(ids, dtype=np.int64)))
-        return logits[:, -1].float().numpy(), cache
+        hidden, cache = self.model(torch.from_numpy(np.asarray(ids, dtype=np.int64)), hidden=True)
+        return self.model.lm_head(hidden[:, -1]).float().numpy(), cache  # the head on the last position only
 
     @torch.inference_mode()
     def step(self, ids: np.ndarray, cache: Any, position: int) -> tuple[np.ndarray, Any]:
@@ -95,22 +98,31 @@ class OnnxDecoder:
         options.log_severity_level = 3  # warnings about unused initializers etc. are not the user's business
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         self.outputs = output_names(cfg.n_layer)
-        self.inputs = {i.name for i in self.session.get_inputs()}  # the builder's graph has no position_ids
+        # The builder's graph has no position_ids; an input with a default (logits_to_keep) is an overridable
+        # initializer to onnxruntime, not one of its inputs.
+        self.inputs = {i.name for i in (*self.session.get_inputs(), *self.session.get_overridable_initializers())}
+        # Graphs exported before the head could be limited to the last position lack the input: they compute all.
+        self.keeps_last = LOGITS_TO_KEEP in self.inputs
 
     def _feeds(self, ids: np.ndarray, past: list[np.ndarray] | None = None, attention_mask: np.ndarray | None = None,
-               position_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+               position_ids: np.ndarray | None = None, last_only: bool = False) -> dict[str, np.ndarray]:
         feeds = decoder_feeds(self.cfg, ids, past, attention_mask, position_ids)
+        if last_only and self.keeps_last:
+            feeds[LOGITS_TO_KEEP] = KEEP_LAST
         return {name: value for name, value in feeds.items() if name in self.inputs}
 
     def forward(self, ids: np.ndarray, past: list[np.ndarray] | None = None, attention_mask: np.ndarray | None = None,
-                position_ids: np.ndarray | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
+                position_ids: np.ndarray | None = None, last_only: bool = False
+                ) -> tuple[np.ndarray, list[np.ndarray]]:
         """Logits (B, T, vocab) and the present keys/values, from one plain session.run. A padded batch
         passes its mask (0 at padding, past + T wide) and each row's positions; without them every slot
-        is a real token."""
+        is a real token. ``last_only``: logits of the last position alone (B, 1, vocab) where the graph
+        allows it (a left-padded batch's rows all end there)."""
         if self.shared_kv and (past is not None or (attention_mask is not None and not np.all(attention_mask))):
             raise ValueError("this graph (ONNX Runtime GenAI's builder) keeps its KV cache in a shared buffer and "
                              "reads positions from a right-padded mask: continue with prefill/step, not a past")
-        logits, *present = self.session.run(self.outputs, self._feeds(ids, past, attention_mask, position_ids))
+        feeds = self._feeds(ids, past, attention_mask, position_ids, last_only)
+        logits, *present = self.session.run(self.outputs, feeds)
         return logits, present
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
@@ -121,13 +133,13 @@ class OnnxDecoder:
             ids = np.ascontiguousarray(ids, dtype=np.int64)
             cache = _SharedCache(self, ids.shape[0])
             return cache.run(ids, 0), cache
-        logits, present = self.forward(ids)
+        logits, present = self.forward(ids, last_only=True)
         return logits[:, -1], present
 
     def step(self, ids: np.ndarray, cache: Any, position: int) -> tuple[np.ndarray, Any]:
         if self.shared_kv:
             return cache.run(np.ascontiguousarray(ids, dtype=np.int64), position), cache
-        logits, present = self.forward(ids, cache)
+        logits, present = self.forward(ids, cache, last_only=True)
         return logits[:, -1], present
 
 
@@ -156,6 +168,14 @@ class _SharedCache:
         seq = ids.shape[1]
         if position + seq > self.decoder.cfg.block_size:
             raise ValueError(f"position {position} + {seq} tokens is past the context ({self.decoder.cfg.block_size})")
+        if position == 0 and seq > 1 and self.decoder.keeps_last:
+            # onnxruntime's I/O binding cannot set an input that has a default (logits_to_keep), so a prompt's
+            # prefill runs plainly from an empty past, the last position's logits alone, and its keys and values
+            # are copied into the shared buffers (a few MB, against the head's rows for every other position).
+            logits, *present = self.decoder.session.run(self.decoder.outputs, self.decoder._feeds(ids, last_only=True))
+            for buffer, value in zip(self.buffers, present):
+                buffer[:, :, :seq] = value
+            return logits[:, -1]
         binding = self.binding
         binding.bind_cpu_input("input_ids", ids)
         binding.bind_cpu_input("attention_mask", np.ascontiguousarray(self.mask[:, :position + seq]))

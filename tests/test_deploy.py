@@ -222,6 +222,27 @@ def test_model_builder_graph_decodes_the_exports_greedy_tokens(trained, exported
         fused.decoder.forward(np.array([[1]]), past=[np.zeros((1, 2, 3, 4), np.float32)])
 
 
+def test_a_prompts_prefill_computes_the_last_positions_logits_alone(exported, quantized):
+    """Generation reads the logits of a prompt's last position: every ONNX graph (the export, the builder's, each
+    quantized candidate) takes transformers' logits_to_keep and its prefill computes that one row, the full
+    pass's last; unfed, the graph gives every position's, which scoring and ONNX Runtime GenAI read."""
+    candidates = sorted((Path(quantized[0].output_dir) / "candidates").glob("*.onnx"))
+    assert len(candidates) >= 5
+    for path in [exported[0].path("onnx"), *candidates]:
+        lm = load_language_model(path)
+        assert lm.decoder.keeps_last, path.name
+        ids = np.random.default_rng(3).integers(0, lm.cfg.vocab_size, size=(2, 24))
+        full = lm.decoder.logits(ids)
+        assert full.shape == (2, 24, lm.cfg.vocab_size)
+        last, _ = lm.decoder.prefill(ids)
+        # Dynamic int8 quantizes the head's input per tensor: one row gets its own scale, a hair from the batch's.
+        tolerance = 0.02 * np.ptp(full) if "dynamic" in path.name or "static" in path.name else 1e-4
+        assert np.abs(last - full[:, -1]).max() < tolerance, path.name
+        if not lm.decoder.shared_kv:
+            kept, _ = lm.decoder.forward(ids, last_only=True)
+            assert kept.shape == (2, 1, lm.cfg.vocab_size)
+
+
 def test_model_builder_int8_candidate_in_blocks_of_64_shares_its_head_and_matches_blocks_of_32(quantized):
     """genai-int8-b64 is the int8 graph with 64-wide blocks everywhere, its embedding lookup included, and
     as accurate as blocks of 32: only the scales per row differ."""
@@ -583,17 +604,19 @@ def test_quantize_rule_asks_for_more_rounds_while_the_lead_is_within_the_noise()
 
 
 class _FakeDecoder:
-    """Records which model each timed call went to; no arithmetic."""
+    """Records which model each full-context prefill (the timed kind; decode's prompts are 16 tokens) went to;
+    no arithmetic."""
 
     def __init__(self, name: str, calls: list[str]) -> None:
         self.name, self.calls = name, calls
         self.cfg = SimpleNamespace(block_size=32, vocab_size=10)
 
     def logits(self, ids):
-        self.calls.append(self.name)
         return np.zeros((*np.shape(ids), 10), dtype=np.float32)
 
     def prefill(self, ids):
+        if np.shape(ids)[1] == self.cfg.block_size:
+            self.calls.append(self.name)
         return np.zeros((len(ids), 10), dtype=np.float32), None
 
     def step(self, ids, cache, position):

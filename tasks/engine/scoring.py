@@ -139,9 +139,10 @@ def score_text(lm: LanguageModel, text: str, batch_size: int = 8) -> Score:
 
 def prefill_tokens_per_s(lm: LanguageModel, batch: int, seq: int | None = None, repeats: int = 5,
                          seed: int = 0) -> float:
-    """Tokens/s of a forward pass over (batch, seq) tokens, seq defaulting to the full context."""
+    """Tokens/s of the prefill of (batch, seq)-token prompts, seq defaulting to the full context: the forward pass
+    to the KV cache and the next token's logits, the last position's alone (as llama-bench's prompt processing)."""
     ids = _prefill_ids(lm, batch, seq, seed)
-    lm.decoder.logits(ids)  # warm-up: first-call allocations and graph set-up are not throughput
+    lm.decoder.prefill(ids)  # warm-up: first-call allocations and graph set-up are not throughput
     return ids.size / min(_timed_prefill(lm, ids) for _ in range(repeats))
 
 
@@ -151,7 +152,7 @@ def _prefill_ids(lm: LanguageModel, batch: int, seq: int | None = None, seed: in
 
 def _timed_prefill(lm: LanguageModel, ids: np.ndarray) -> float:
     started = time.perf_counter()
-    lm.decoder.logits(ids)
+    lm.decoder.prefill(ids)
     return time.perf_counter() - started
 
 
@@ -178,10 +179,10 @@ def alternating_speeds(lms: dict[str, LanguageModel], batch_sizes: list[int], de
                        min_rounds: int = 3, max_rounds: int = 3,
                        settled: Callable[[Samples], bool] | None = None, seconds: float | None = None,
                        on_round: Callable[[int, float], None] | None = None) -> Samples:
-    """Prefill tokens/s (full context, each batch size) and decode tokens/s (batch 1, KV cache) of
-    several models, measured in rounds that visit every model once, the starting model rotating
-    from round to round: machine noise then lands on all of them alike instead of on whichever was
-    measured during a busy spell. Rounds go on past min_rounds until `settled(samples)` says the
+    """Prefill tokens/s (full-context prompts, each batch size; prefill_tokens_per_s's measure) and decode
+    tokens/s (batch 1, KV cache) of several models, measured in rounds that visit every model once, the starting
+    model rotating from round to round: machine noise then lands on all of them alike instead of on whichever
+    was measured during a busy spell. Rounds go on past min_rounds until `settled(samples)` says the
     figures decide what they are for, or max_rounds, or (with `seconds`) until another round like the
     last would end past that many seconds from the start, warm-up included: the cost then follows the
     caller's budget, not the model's size. A prefill figure is the best of up to 3 passes, one when a
@@ -193,7 +194,7 @@ def alternating_speeds(lms: dict[str, LanguageModel], batch_sizes: list[int], de
     ids = {name: {b: _prefill_ids(lm, b) for b in batch_sizes} for name, lm in lms.items()}
     for name, lm in lms.items():  # warm-up: first-call allocations and graph set-up are not throughput
         for b in batch_sizes:
-            lm.decoder.logits(ids[name][b])
+            lm.decoder.prefill(ids[name][b])
         _timed_decode(lm, decode_tokens)
     samples: Samples = {name: {**{f"prefill_b{b}": [] for b in batch_sizes}, "decode": []} for name in names}
     for round_ in range(max_rounds):
@@ -244,7 +245,7 @@ def measure_variant(model_path: str, tokenize_dir: str, max_tokens: int, batch_s
     score = score_tokens(lm, np.asarray(val), token_byte_lengths(lm.tokenizer),
                          progress=_every(30.0, progress, "scored {:,} of {:,} tokens"))
     for b in batch_sizes:  # untimed (speed is measured by measure_speeds), but part of this variant's peak RSS
-        lm.decoder.logits(_prefill_ids(lm, b))
+        lm.decoder.prefill(_prefill_ids(lm, b))
     samples = {}
     for prompt in prompts:
         pieces = lm.stream(prompt, max_new_tokens, temperature=0.8, top_k=40, seed=seed)
