@@ -272,6 +272,12 @@ def test_model_builder_int4_candidate_is_4_bit_and_says_so(quantized):
     assert bits["bits"] == 4 and bits["accuracy_level"] == 4
     head = [n for n in onnx.load(str(folder / "genai-int4-fp32head.onnx")).graph.node if "lm_head" in n.name]
     assert [n.op_type for n in head] == ["MatMul"]  # the LM head left in fp32
+    # genai-int4-head8: llama.cpp Q4_0's mix, every matmul 4-bit but the LM head's 8 bits
+    mix = {n.name: {a.name: a.i for a in n.attribute}
+           for n in onnx.load(str(folder / "genai-int4-head8.onnx")).graph.node if n.op_type == "MatMulNBits"}
+    assert [attrs["bits"] for name, attrs in mix.items() if "lm_head" in name] == [8]
+    assert {attrs["bits"] for name, attrs in mix.items() if "lm_head" not in name} == {4}
+    assert "LM head int8" in read_metadata(folder / "genai-int4-head8.onnx")["cpuforge.quantization"]
     assert {"genai-int4/token_agreement", "genai-int8/val_bpb"} <= set(metrics)
     assert metrics["weight_bits"] in (4, 8)
 

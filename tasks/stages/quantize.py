@@ -90,7 +90,8 @@ SPEC = stages.QUANTIZE
 # Simplest first: the order a tie is broken in (a dynamic model needs no calibration data). The builder's int8
 # graph in blocks of 64 comes before blocks of 32: the same graph with half the scales, a smaller file.
 SIMPLICITY = ("dynamic-qint8", "dynamic-quint8", "genai-int8-b64", "genai-int8", "genai-int8-fp32head", "genai-int4",
-              "genai-int4-kquant", "genai-int4-kquant-head8", "genai-int4-fp32head", "gptq-int4", "static-qdq")
+              "genai-int4-head8", "genai-int4-kquant", "genai-int4-kquant-head8", "genai-int4-fp32head", "gptq-int4",
+              "static-qdq")
 GPTQ = "gptq-int4"
 
 
@@ -112,15 +113,18 @@ class BuilderCandidate(NamedTuple):
 GENAI = {"genai-int8": BuilderCandidate("int8", True, 32), "genai-int8-b64": BuilderCandidate("int8", True, 64),
          "genai-int8-fp32head": BuilderCandidate("int8", False, 32),
          "genai-int4": BuilderCandidate("int4", True, 32), "genai-int4-fp32head": BuilderCandidate("int4", False, 32),
+         "genai-int4-head8": BuilderCandidate("int4", True, 32, "rtn_last"),
          "genai-int4-kquant": BuilderCandidate("int4", True, 32, "k_quant"),
          "genai-int4-kquant-head8": BuilderCandidate("int4", True, 32, "k_quant_last")}
 # The order candidates are built in, so that quantize.build_seconds leaves out the least likely winners: weight-only
 # int8 in blocks of 64 kept quality where dynamic int8 lost it (a 67M model pruned from a 135M one: 93-96% greedy
-# agreement against 40-59%); k-quant int4 with an int8 head is the best of the smallest files; dynamic int8 costs
-# seconds to build and often wins at small sizes; GPTQ runs the calibration batches and solves every weight; static
-# QDQ needs calibration and decoded slowest.
-BUILD_ORDER = ("genai-int8-b64", "genai-int4-kquant-head8", "dynamic-qint8", "dynamic-quint8", "genai-int4",
-               "genai-int4-kquant", "genai-int8", "genai-int8-fp32head", "genai-int4-fp32head", GPTQ, "static-qdq")
+# agreement against 40-59%); k-quant int4 with an int8 head is the best of the smallest files, and round-to-nearest
+# int4 with an int8 head (llama.cpp Q4_0's mix) takes its place where k-quant cannot pack the widths; dynamic int8
+# costs seconds to build and often wins at small sizes; GPTQ runs the calibration batches and solves every weight;
+# static QDQ needs calibration and decoded slowest.
+BUILD_ORDER = ("genai-int8-b64", "genai-int4-kquant-head8", "genai-int4-head8", "dynamic-qint8", "dynamic-quint8",
+               "genai-int4", "genai-int4-kquant", "genai-int8", "genai-int8-fp32head", "genai-int4-fp32head", GPTQ,
+               "static-qdq")
 META_QUANTIZATION = "cpuforge.quantization"
 MIN_ROUNDS, MAX_ROUNDS = 3, 12
 # The gate's agreement counts the positions where fp32's top choice has at least this probability. Where it has
