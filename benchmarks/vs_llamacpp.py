@@ -8,8 +8,9 @@ same recovered weights as Q8_0 and Q4_0 GGUF.
 Pairs, each made from the recovered model:
 - 8-bit: quantize's kept model.int8.onnx when it is 8-bit (else its genai-int8-b64 candidate) against the gguf
   stage's model-q8_0.gguf;
-- 4-bit: quantize's genai-int4 candidate (MatMulNBits, blocks of 32, the head 4-bit too) against
-  model-q4_0.gguf (Q4_0, blocks of 32, the logits' matrix Q8_0).
+- 4-bit: quantize's genai-int4-head8 candidate (MatMulNBits, blocks of 32, the head 8-bit: Q4_0's mix), or
+  genai-int4 (the head 4-bit too) in a run without it, against model-q4_0.gguf (Q4_0, blocks of 32, the logits'
+  matrix Q8_0).
 Every model sees the same validation tokens in the same windows (scoring.score_tokens's; llama.cpp tokenizes as
 cpuforge does, tests/test_gguf.py) with the same number of threads:
 - bits per byte: consecutive full-context windows, each from an empty cache;
@@ -17,8 +18,9 @@ cpuforge does, tests/test_gguf.py) with the same number of threads:
 - decode tokens/s: greedy at batch 1 with the KV cache after a 16-token prompt, the best of 3 runs.
 Each measurement runs in a fresh process holding one model (two runtimes' thread pools in one process spin
 against each other on a small machine), the four models in rotation round after round; each figure is the best
-round (noise on a shared machine only ever slows a round down). Goal: cpuforge decodes >= 1.2x and prefills
->= 1.0x llama.cpp in both pairs, at equal or better bits per byte.
+round (noise on a shared machine only ever slows a round down). The ratios of each round's pair of figures say
+whether a lead is settled (every round on the same side of the goal) or within the noise. Goal: cpuforge decodes
+>= 1.2x and prefills >= 1.0x llama.cpp in both pairs, at equal or better bits per byte.
 """
 
 from __future__ import annotations
@@ -89,7 +91,9 @@ def models_of(stages: dict) -> dict[tuple[str, str], Path]:
     eight = (quantized / "model.int8.onnx" if stages["quantize"]["metrics"].get("weight_bits", 8) == 8
              else quantized / "candidates" / "genai-int8-b64.onnx")
     files = {("8-bit", "cpuforge"): eight, ("8-bit", "llama.cpp"): gguf / "model-q8_0.gguf",
-             ("4-bit", "cpuforge"): quantized / "candidates" / "genai-int4.onnx",
+             ("4-bit", "cpuforge"): next((p for p in (quantized / "candidates" / f"{name}.onnx"
+                                                      for name in ("genai-int4-head8", "genai-int4")) if p.exists()),
+                                         quantized / "candidates" / "genai-int4.onnx"),
              ("4-bit", "llama.cpp"): gguf / "model-q4_0.gguf"}
     absent = [str(path) for path in files.values() if not path.exists()]
     if absent:
@@ -138,6 +142,7 @@ def main() -> None:
                 timing = run_child(key[1], files[key], {**job, "mode": "time"}, scratch)
                 for name, value in timing.items():
                     rows[key][name] = round(max(rows[key].get(name, 0.0), value), 1)
+                    rows[key].setdefault("rounds", {}).setdefault(name, []).append(round(value, 1))
 
     print(f"CPU: {cpu_model()}, {threads} threads, int8 dot product: {int8_dot_product()}; context {block}, "
           f"{rows[order[0]]['val_tokens']:,} val tokens, best of {args.rounds} rounds")
@@ -155,11 +160,20 @@ def main() -> None:
                                   ("prefill_tok_s", f"prefill tok/s (b1, T={block})", "prefill"),
                                   ("decode_tok_s", "decode tok/s (b1)", "decode"), ("file_mb", "file MB", "file")):
             print(f"{label:28s}{ours[key]:>14,}{theirs[key]:>14,}{ratios[ratio]:>24}")
+        # The two runtimes' figures from the same round were measured minutes apart at most: their ratio, round by
+        # round, shows whether a lead outlasts the machine's noise (settled: every round on the same side of the goal).
+        per_round = {measure: [round(a / b, 3) for a, b in zip(ours["rounds"][f"{measure}_tok_s"],
+                                                                theirs["rounds"][f"{measure}_tok_s"])]
+                     for measure in ("prefill", "decode")}
+        for measure, target in (("prefill", 1.0), ("decode", 1.2)):
+            low, high = min(per_round[measure]), max(per_round[measure])
+            verdict = "settled" if low >= target or high < target else "unsettled"
+            print(f"{measure} ratio round by round: {low}-{high} ({verdict} against {target}x)")
         goal = ratios["decode"] >= 1.2 and ratios["prefill"] >= 1.0 and ours["val_bpb"] <= theirs["val_bpb"]
         print(f"goal (decode >= 1.2x, prefill >= 1.0x, bits per byte no worse): {'met' if goal else 'not met'}")
         result["pairs"][pair] = {"cpuforge": {"path": str(files[(pair, "cpuforge")]), **ours},
                                  "llama.cpp": {"path": str(files[(pair, "llama.cpp")]), **theirs},
-                                 "cpuforge_over_llamacpp": ratios, "goal_met": goal}
+                                 "cpuforge_over_llamacpp": ratios, "ratios_by_round": per_round, "goal_met": goal}
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwritten to {args.json}")
 
