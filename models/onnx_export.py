@@ -152,7 +152,7 @@ def add_logits_to_keep(graph: onnx.GraphProto) -> bool:
     anything but a MatMul or MatMulNBits head, or the input is there already)."""
     head = next((n for n in graph.node if LOGITS in n.output), None)
     if head is None or head.op_type not in ("MatMul", "MatMulNBits") or \
-            LOGITS_TO_KEEP in {i.name for i in graph.input}:
+            LOGITS_TO_KEEP in {i.name for i in (*graph.input, *graph.initializer)}:
         return False
     # An initializer that is also a graph input is a default the caller may override (ONNX IR >= 4).
     graph.initializer.extend([numpy_helper.from_array(np.zeros(1, np.int64), LOGITS_TO_KEEP),

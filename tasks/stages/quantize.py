@@ -119,7 +119,8 @@ GENAI = {"genai-int8": BuilderCandidate("int8", True, 32), "genai-int8-b64": Bui
 # The order candidates are built in, so that quantize.build_seconds leaves out the least likely winners: weight-only
 # int8 in blocks of 64 kept quality where dynamic int8 lost it (a 67M model pruned from a 135M one: 93-96% greedy
 # agreement against 40-59%); k-quant int4 with an int8 head is the best of the smallest files, and round-to-nearest
-# int4 with an int8 head (llama.cpp Q4_0's mix) takes its place where k-quant cannot pack the widths; dynamic int8
+# int4 with an int8 head (llama.cpp Q4_0's mix) comes next: the 4-bit file with an int8 head where k-quant cannot
+# pack the widths; dynamic int8
 # costs seconds to build and often wins at small sizes; GPTQ runs the calibration batches and solves every weight;
 # static QDQ needs calibration and decoded slowest.
 BUILD_ORDER = ("genai-int8-b64", "genai-int4-kquant-head8", "genai-int4-head8", "dynamic-qint8", "dynamic-quint8",
