@@ -90,10 +90,10 @@ def models_of(stages: dict) -> dict[tuple[str, str], Path]:
     quantized, gguf = Path(stages["quantize"]["output_dir"]), Path(stages["gguf"]["output_dir"])
     eight = (quantized / "model.int8.onnx" if stages["quantize"]["metrics"].get("weight_bits", 8) == 8
              else quantized / "candidates" / "genai-int8-b64.onnx")
+    head8 = quantized / "candidates" / "genai-int4-head8.onnx"  # Q4_0's mix; runs before it had none
+    four = head8 if head8.exists() else quantized / "candidates" / "genai-int4.onnx"
     files = {("8-bit", "cpuforge"): eight, ("8-bit", "llama.cpp"): gguf / "model-q8_0.gguf",
-             ("4-bit", "cpuforge"): next((p for p in (quantized / "candidates" / f"{name}.onnx"
-                                                      for name in ("genai-int4-head8", "genai-int4")) if p.exists()),
-                                         quantized / "candidates" / "genai-int4.onnx"),
+             ("4-bit", "cpuforge"): four,
              ("4-bit", "llama.cpp"): gguf / "model-q4_0.gguf"}
     absent = [str(path) for path in files.values() if not path.exists()]
     if absent:

@@ -172,7 +172,7 @@ class _SharedCache:
             # onnxruntime's I/O binding cannot set an input that has a default (logits_to_keep), so a prompt's
             # prefill runs plainly from an empty past, the last position's logits alone, and its keys and values
             # are copied into the shared buffers (a few MB, against the head's rows for every other position).
-            logits, *present = self.decoder.session.run(self.decoder.outputs, self.decoder._feeds(ids, last_only=True))
+            logits, present = self.decoder.forward(ids, last_only=True)
             for buffer, value in zip(self.buffers, present):
                 buffer[:, :, :seq] = value
             return logits[:, -1]

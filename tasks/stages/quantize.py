@@ -120,9 +120,8 @@ GENAI = {"genai-int8": BuilderCandidate("int8", True, 32), "genai-int8-b64": Bui
 # int8 in blocks of 64 kept quality where dynamic int8 lost it (a 67M model pruned from a 135M one: 93-96% greedy
 # agreement against 40-59%); k-quant int4 with an int8 head is the best of the smallest files, and round-to-nearest
 # int4 with an int8 head (llama.cpp Q4_0's mix) comes next: the 4-bit file with an int8 head where k-quant cannot
-# pack the widths; dynamic int8
-# costs seconds to build and often wins at small sizes; GPTQ runs the calibration batches and solves every weight;
-# static QDQ needs calibration and decoded slowest.
+# pack the widths; dynamic int8 costs seconds to build and often wins at small sizes; GPTQ runs the calibration
+# batches and solves every weight; static QDQ needs calibration and decoded slowest.
 BUILD_ORDER = ("genai-int8-b64", "genai-int4-kquant-head8", "genai-int4-head8", "dynamic-qint8", "dynamic-quint8",
                "genai-int4", "genai-int4-kquant", "genai-int8", "genai-int8-fp32head", "genai-int4-fp32head", GPTQ,
                "static-qdq")
